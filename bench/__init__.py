@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks; `make bench` runs them all and rewrites RESULTS.md."""

@@ -1,0 +1,66 @@
+"""Runs every bench/bench_*.py and rewrites bench/RESULTS.md with the figures."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pathlib
+import platform
+import sys
+
+import psutil
+
+from bench.harness import Finding
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    mem = psutil.virtual_memory().total / 2**30
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} logical cores ({cpu}), "
+        f"{mem:.0f} GiB RAM, Python {platform.python_version()}"
+    )
+
+
+def render(results: dict[str, list[Finding]]) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `make bench` (bench/run_all.py); do not edit by hand.",
+        "",
+        f"Measured {now} on {machine()}.",
+        "",
+    ]
+    for module, findings in results.items():
+        lines += [f"## {module}", "", "| benchmark | figures | ratio | target | met |", "|---|---|---|---|---|"]
+        for f in findings:
+            figures = "; ".join(f"{k}: {v}" for k, v in f.figures.items())
+            lines.append(
+                f"| {f.name} | {figures} | {f.ratio:.2f} | {f.target} | {'yes' if f.met else 'no'} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    only = set(argv)
+    results: dict[str, list[Finding]] = {}
+    for path in sorted(HERE.glob("bench_*.py")):
+        if only and path.stem not in only:
+            continue
+        module = importlib.import_module(f"bench.{path.stem}")
+        print(f"running {path.stem} ...", file=sys.stderr, flush=True)
+        results[path.stem] = module.run()
+        for f in results[path.stem]:
+            print(f"  {f.name}: ratio {f.ratio:.2f} ({'met' if f.met else 'NOT met'})", file=sys.stderr)
+    if not only:
+        (HERE / "RESULTS.md").write_text(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
