@@ -1,0 +1,15 @@
+"""Test-wide settings: hypothesis profiles and the checkout-first import path."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+# CI runs on 2 cores; the "ci" profile is still large enough to mean something
+# (state machines ask for at least 200 examples on their own).
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
