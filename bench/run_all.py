@@ -36,12 +36,16 @@ def render(results: dict[str, list[Finding]]) -> str:
         "",
     ]
     for module, findings in results.items():
-        lines += [f"## {module}", "", "| benchmark | figures | ratio | target | met |", "|---|---|---|---|---|"]
+        lines += [
+            f"## {module}",
+            "",
+            "| benchmark | figures | ratio | target | met |",
+            "|---|---|---|---|---|",
+        ]
         for f in findings:
             figures = "; ".join(f"{k}: {v}" for k, v in f.figures.items())
-            lines.append(
-                f"| {f.name} | {figures} | {f.ratio:.2f} | {f.target} | {'yes' if f.met else 'no'} |"
-            )
+            met = "yes" if f.met else "no"
+            lines.append(f"| {f.name} | {figures} | {f.ratio:.2f} | {f.target} | {met} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -56,7 +60,10 @@ def main(argv: list[str]) -> int:
         print(f"running {path.stem} ...", file=sys.stderr, flush=True)
         results[path.stem] = module.run()
         for f in results[path.stem]:
-            print(f"  {f.name}: ratio {f.ratio:.2f} ({'met' if f.met else 'NOT met'})", file=sys.stderr)
+            print(
+                f"  {f.name}: ratio {f.ratio:.2f} ({'met' if f.met else 'NOT met'})",
+                file=sys.stderr,
+            )
     if not only:
         (HERE / "RESULTS.md").write_text(render(results))
     return 0

@@ -1,0 +1,3 @@
+"""Trio supervision of invocations and lane owners."""
+
+__all__: list[str] = []

@@ -1,0 +1,39 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Each creates .venv (python3 -m venv) and installs the project with its test extra.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PACKAGES := node capabilities supervisor api
+
+.PHONY: run test lint typecheck pytest bench contracts clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/litegraph-node dev
+
+test: $(STAMP) lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy $(PACKAGES)
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run_all
+
+contracts: $(STAMP)
+	$(BIN)/litegraph-node contracts
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .hypothesis *.egg-info

@@ -1,0 +1,41 @@
+"""Serving the app with Hypercorn inside the daemon's nursery."""
+
+from __future__ import annotations
+
+import logging
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+from quart_trio import QuartTrio
+
+__all__ = ["hypercorn_config", "serve_http"]
+
+
+def hypercorn_config(listen: str) -> hypercorn.config.Config:
+    config = hypercorn.config.Config()
+    config.bind = [listen]
+    config.accesslog = None
+    # Hypercorn's messages go through the daemon's own log handlers and format.
+    config.errorlog = logging.getLogger("hypercorn.error")
+    # A slow or idle client cannot hold a connection forever.
+    config.read_timeout = 30
+    config.keep_alive_timeout = 5
+    config.graceful_timeout = 3
+    config.h11_max_incomplete_size = 16 * 1024
+    config.startup_timeout = 10
+    config.shutdown_timeout = 10
+    return config
+
+
+async def serve_http(
+    app: QuartTrio,
+    listen: str,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until `shutdown` is set; `task_status` gets the bound addresses."""
+    await hypercorn.trio.serve(
+        app, hypercorn_config(listen), shutdown_trigger=shutdown.wait, task_status=task_status
+    )

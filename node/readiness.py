@@ -1,0 +1,33 @@
+"""What the daemon still waits for before it is ready (GET /readyz)."""
+
+from __future__ import annotations
+
+__all__ = ["Readiness"]
+
+
+class Readiness:
+    """Start-up steps still pending plus standing reasons that block readiness.
+
+    A step is pending until `done(step)`; a reason (for example a failed NVML
+    initialisation) stays until `clear(key)`. Ready means neither is left.
+    """
+
+    def __init__(self, steps: tuple[str, ...]) -> None:
+        self._pending = dict.fromkeys(steps, "not done yet")
+        self._reasons: dict[str, str] = {}
+
+    def done(self, step: str) -> None:
+        self._pending.pop(step, None)
+
+    def block(self, key: str, reason: str) -> None:
+        self._reasons[key] = reason
+
+    def clear(self, key: str) -> None:
+        self._reasons.pop(key, None)
+
+    @property
+    def ready(self) -> bool:
+        return not self._pending and not self._reasons
+
+    def reasons(self) -> dict[str, str]:
+        return {**self._pending, **self._reasons}

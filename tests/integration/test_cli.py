@@ -1,0 +1,73 @@
+"""The installed command end to end: exit codes, precedence, planted files, shutdown."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import subprocess
+
+import httpx
+
+from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
+
+LISTENING = r"listening on (http://\S+)"
+
+
+def run(*args: str, cwd: pathlib.Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        node_command(*args), capture_output=True, text=True, env=clean_env(**env), cwd=cwd,
+        timeout=60, check=False,
+    )
+
+
+def test_unknown_flag_exits_2_with_one_line_naming_it() -> None:
+    result = run("--no-such-flag")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "litegraph-node: error: unknown flag --no-such-flag"
+    ]
+
+
+def test_invalid_env_value_exits_2_naming_flag() -> None:
+    result = run("serve", LITEGRAPH_NODE_MAX_RUNNING="lots")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "--max-running" in result.stderr
+
+
+def test_help_is_generated_from_the_flag_file() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    assert "LITEGRAPH_NODE_LISTEN" in result.stdout and "--log-format" in result.stdout
+
+
+def test_planted_flag_file_in_working_directory_is_ignored(tmp_path: pathlib.Path) -> None:
+    (tmp_path / ".cli-flags.toml").write_text(
+        '[flags.evil]\nenv = "LITEGRAPH_NODE_EVIL"\naliases = ["evil"]\n'
+    )
+    (tmp_path / "cli-flags.toml").write_text((tmp_path / ".cli-flags.toml").read_text())
+    result = run("--evil", "x", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unknown flag --evil" in result.stderr
+
+
+def _serve_argv(tmp_path: pathlib.Path, *argv: str) -> list[str]:
+    return node_command("serve", "--state-dir", str(tmp_path), "--devices", "none", *argv)
+
+
+def test_environment_sets_listen_and_sigint_stops_cleanly(tmp_path: pathlib.Path) -> None:
+    env = clean_env(LITEGRAPH_NODE_LISTEN="127.0.0.1:0")
+    with spawned(_serve_argv(tmp_path), env) as proc:
+        url = wait_for_line(proc, LISTENING)
+        assert url.startswith("http://127.0.0.1:") and not url.endswith(":7380")
+        reply = httpx.get(f"{url}/healthz", timeout=5)
+        assert reply.status_code == 200 and reply.json() == {"status": "ok"}
+        assert stop(proc, signal.SIGINT) == 0
+
+
+def test_argv_listen_beats_environment_and_sigterm_stops(tmp_path: pathlib.Path) -> None:
+    env = clean_env(LITEGRAPH_NODE_LISTEN="127.0.0.1:0")
+    with spawned(_serve_argv(tmp_path, "--listen", "127.0.0.2:0"), env) as proc:
+        url = wait_for_line(proc, LISTENING)
+        assert url.startswith("http://127.0.0.2:")
+        assert stop(proc, signal.SIGTERM) == 0

@@ -1,0 +1,89 @@
+"""Typed configuration: one Struct, validated in one place, in step with the flag file."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from node.cli import COMMANDS
+from node.config import Config, DeviceMode, build_config, parse_size, split_listen
+from node.flags import FlagError, coerce, load_flag_table, parse_argv
+
+
+def config_from(argv: list[str], env: dict[str, str] | None = None) -> Config:
+    table = load_flag_table()
+    parsed = parse_argv(table, ["serve", *argv], env or {}, tuple(COMMANDS))
+    return build_config(coerce(table.flags, parsed.values))
+
+
+def test_every_flag_has_a_field_and_every_field_a_flag() -> None:
+    table = load_flag_table()
+    assert {s.name for s in table.flags} == set(Config.__struct_fields__)
+    for spec in table.flags:  # errors name a flag by its first long form
+        assert spec.aliases[0] == spec.name.replace("_", "-")
+
+
+def test_every_env_name_is_prefixed_and_no_secret_is_a_flag() -> None:
+    table = load_flag_table()
+    specs = table.flags + tuple(s for c in table.commands.values() for s in c)
+    for spec in specs:
+        assert spec.env.startswith("LITEGRAPH_NODE_"), spec.env
+        assert not re.search(r"secret|password|private", spec.name), spec.name
+
+
+def test_defaults_build_a_valid_config() -> None:
+    config = config_from([])
+    assert config.listen == "127.0.0.1:7380"
+    assert config.devices is DeviceMode.auto
+    assert config.reserved_memory == 2**30
+    assert 13 not in config.fatal_xids and 79 in config.fatal_xids
+    assert config.node_id  # defaults to the host name
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("0", 0), ("1024", 1024), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000), ("512mib", 2**29)],
+)
+def test_sizes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "2XB", "1e9"])
+def test_bad_sizes(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("listen", "expected"),
+    [("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:80", ("::1", 80)), ("localhost:9", ("localhost", 9))],
+)
+def test_listen_addresses(listen: str, expected: tuple[str, int]) -> None:
+    assert split_listen(listen) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--listen", "nowhere"], "--listen"),
+        (["--listen", "1.2.3.4:99999"], "--listen"),
+        (["--listen", "[zz]:1"], "--listen"),
+        (["--devices", "tpu"], "--devices"),
+        (["--reserved-memory", "lots"], "--reserved-memory"),
+        (["--token-ttl", "7200"], "--token-ttl"),
+        (["--max-queued", "0"], "--max-queued"),
+        (["--scheduler-url", "ftp://x"], "--scheduler-url"),
+        (["--fatal-xids", '["79"]'], "--fatal-xids"),
+        (["--node-id", "../etc"], "--node-id"),
+        (["--log-format", "xml"], "--log-format"),
+    ],
+)
+def test_invalid_values_name_the_flag(argv: list[str], named: str) -> None:
+    with pytest.raises(FlagError, match=re.escape(named)):
+        config_from(argv)
+
+
+def test_environment_reaches_config() -> None:
+    config = config_from([], {"LITEGRAPH_NODE_RESERVED_MEMORY": "2GiB"})
+    assert config.reserved_memory == 2 * 2**30
