@@ -1,0 +1,129 @@
+"""Wire types of invocations: what the scheduler submits and what it reads back.
+
+All are msgspec Structs (frozen, kw_only, forbid_unknown_fields, snake_case);
+their JSON Schemas are checked in under api/contracts/.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+import msgspec
+
+from capabilities.claims import Isolation
+
+__all__ = [
+    "BuiltinWork",
+    "GrantedLane",
+    "InvocationList",
+    "InvocationRequest",
+    "InvocationState",
+    "InvocationStatus",
+    "ProcessWork",
+    "Requirement",
+    "Resources",
+    "SubmitResponse",
+]
+
+# Ids reach paths, logs and cgroup names: a tight alphabet, checked before anything else.
+INVOCATION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+InvocationId = Annotated[str, msgspec.Meta(pattern=INVOCATION_ID_PATTERN)]
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+_Arg = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+
+
+class Requirement(StrEnum):
+    """Where the work must run; it never changes which function is called."""
+
+    cpu = "cpu"
+    gpu = "gpu"
+    auto = "auto"
+
+
+class InvocationState(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+    timed_out = "timed_out"
+    rejected = "rejected"
+
+
+class ProcessWork(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="process",
+    tag_field="kind",
+):
+    argv: Annotated[list[_Arg], msgspec.Meta(min_length=1, max_length=256)]
+    env: Annotated[dict[str, str], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=dict
+    )
+    cwd: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+
+
+class BuiltinWork(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="builtin",
+    tag_field="kind",
+):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Resources(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    cpu_millis: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 100
+    memory_bytes: _Count = 64 * 2**20
+    gpus: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    vram_bytes: _Count = 0
+
+
+class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    id: InvocationId
+    work: ProcessWork | BuiltinWork
+    requirement: Requirement = Requirement.auto
+    resources: Resources = Resources()
+    isolation: Isolation = Isolation.SHARED
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)] = 3600.0
+
+
+class GrantedLane(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    lane_id: str
+    kind: str
+    vram_bytes: int
+
+
+class InvocationStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    state: InvocationState
+    reason: str | None = None
+    requirement: Requirement
+    isolation: Isolation
+    lanes: list[GrantedLane]
+    exit_code: int | None = None
+    submitted_at: str
+    started_at: str | None = None
+    ended_at: str | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+
+
+class SubmitResponse(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The answer to a submission: the invocation and one capability token per lane."""
+
+    id: str
+    state: InvocationState
+    lanes: list[GrantedLane]
+    tokens: dict[str, str]  # lane_id -> capability token
+
+
+class InvocationList(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    invocations: list[InvocationStatus]
