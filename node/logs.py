@@ -9,7 +9,10 @@ import sys
 
 __all__ = ["configure_logging"]
 
-_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+}
 
 
 class JsonLines(logging.Formatter):

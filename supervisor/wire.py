@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from capabilities.claims import Isolation
+from node.lanes import Isolation, Requirement
 
 __all__ = [
     "BuiltinWork",
@@ -21,7 +21,6 @@ __all__ = [
     "InvocationState",
     "InvocationStatus",
     "ProcessWork",
-    "Requirement",
     "Resources",
     "SubmitResponse",
 ]
@@ -32,14 +31,6 @@ InvocationId = Annotated[str, msgspec.Meta(pattern=INVOCATION_ID_PATTERN)]
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _Arg = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
-
-
-class Requirement(StrEnum):
-    """Where the work must run; it never changes which function is called."""
-
-    cpu = "cpu"
-    gpu = "gpu"
-    auto = "auto"
 
 
 class InvocationState(StrEnum):
@@ -89,7 +80,7 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     id: InvocationId
     work: ProcessWork | BuiltinWork
-    requirement: Requirement = Requirement.auto
+    requirement: Requirement = Requirement.AUTO
     resources: Resources = Resources()
     isolation: Isolation = Isolation.SHARED
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)] = 3600.0

@@ -13,10 +13,17 @@ from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
 LISTENING = r"listening on (http://\S+)"
 
 
-def run(*args: str, cwd: pathlib.Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, cwd: pathlib.Path | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        node_command(*args), capture_output=True, text=True, env=clean_env(**env), cwd=cwd,
-        timeout=60, check=False,
+        node_command(*args),
+        capture_output=True,
+        text=True,
+        env=clean_env(**env),
+        cwd=cwd,
+        timeout=60,
+        check=False,
     )
 
 

@@ -57,7 +57,11 @@ def test_bad_sizes(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("listen", "expected"),
-    [("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:80", ("::1", 80)), ("localhost:9", ("localhost", 9))],
+    [
+        ("127.0.0.1:0", ("127.0.0.1", 0)),
+        ("[::1]:80", ("::1", 80)),
+        ("localhost:9", ("localhost", 9)),
+    ],
 )
 def test_listen_addresses(listen: str, expected: tuple[str, int]) -> None:
     assert split_listen(listen) == expected

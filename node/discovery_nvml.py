@@ -1,0 +1,275 @@
+"""NVIDIA GPUs through NVML (the `pynvml` module of nvidia-ml-py).
+
+Every NVML call runs in a worker thread (`trio.to_thread.run_sync`, one at a
+time through a CapacityLimiter of 1, `abandon_on_cancel=True`) under a
+deadline: a hung driver cannot stall the event loop, and a reading that times
+out makes its devices `failed` (health `unknown`), never healthy. Fields a
+device does not support (NVMLError_NotSupported) are None. NVML missing or
+failing to initialise is reported as `NvmlUnavailable`, which discovery turns
+into "no GPU lanes" plus a readiness reason. The module is a parameter so
+tests pass a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+
+from node.inventory import GpuDevice, MigInstance, Probe, ProbeStatus
+
+__all__ = ["NvmlSource", "NvmlUnavailable", "open_nvml"]
+
+T = TypeVar("T")
+# Bound the work one probe does on a storm of events; the rest wait for the next probe.
+MAX_EVENTS_PER_PROBE = 64
+
+
+class NvmlUnavailable(Exception):
+    """NVML could not be loaded or initialised (a local condition, not a device fault)."""
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class _Sync:
+    """The blocking half: plain NVML calls, run only inside the worker thread."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+        self.handles: dict[str, Any] = {}
+        self.slowdown_c: dict[str, float | None] = {}
+        self.event_set: Any = None
+
+    def opt(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """Call `fn`; None when the device does not support it."""
+        try:
+            return fn(*args)
+        except self.nvml.NVMLError_NotSupported:
+            return None
+
+    def init(self) -> tuple[list[GpuDevice], str | None, str | None, list[str]]:
+        nv = self.nvml
+        nv.nvmlInit()
+        driver = self.opt(nv.nvmlSystemGetDriverVersion)
+        cuda_raw = self.opt(nv.nvmlSystemGetCudaDriverVersion)
+        cuda = f"{cuda_raw // 1000}.{cuda_raw % 1000 // 10}" if cuda_raw else None
+        notes: list[str] = []
+        try:
+            self.event_set = nv.nvmlEventSetCreate()
+        except nv.NVMLError as exc:
+            notes.append(f"nvml_events_unavailable: {exc}")
+        gpus = []
+        for index in range(nv.nvmlDeviceGetCount()):
+            try:
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nv.nvmlDeviceGetUUID(handle))
+            except nv.NVMLError as exc:
+                notes.append(f"gpu_unreadable: index {index}: {exc}")
+                continue
+            self.handles[uuid] = handle
+            gpus.append(self.describe(uuid, handle))
+            if self.event_set is not None:
+                try:
+                    nv.nvmlDeviceRegisterEvents(
+                        handle, nv.nvmlEventTypeXidCriticalError, self.event_set
+                    )
+                except nv.NVMLError as exc:
+                    notes.append(f"xid_events_unavailable: {uuid}: {exc}")
+        return gpus, _text(driver) if driver is not None else None, cuda, notes
+
+    def describe(self, uuid: str, handle: Any) -> GpuDevice:
+        nv = self.nvml
+        try:
+            name = _text(nv.nvmlDeviceGetName(handle))
+            pci = self.opt(nv.nvmlDeviceGetPciInfo, handle)
+            mem = nv.nvmlDeviceGetMemoryInfo(handle)
+            cc = self.opt(nv.nvmlDeviceGetCudaComputeCapability, handle)
+            mig_mode = self.opt(nv.nvmlDeviceGetMigMode, handle)
+            self.slowdown_c[uuid] = self.opt(
+                nv.nvmlDeviceGetTemperatureThreshold, handle, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
+            )
+        except nv.NVMLError:
+            # Known by uuid but unreadable: listed with no capacity; its probe says why.
+            return GpuDevice(uuid=uuid, name="unknown", pci_bus_id=None, memory_total_bytes=0)
+        mig_enabled = mig_mode is not None and mig_mode[0] == nv.NVML_DEVICE_MIG_ENABLE
+        return GpuDevice(
+            uuid=uuid,
+            name=name,
+            pci_bus_id=_text(pci.busId) if pci is not None else None,
+            memory_total_bytes=int(mem.total),
+            memory_used_bytes=int(mem.used),
+            memory_free_bytes=int(mem.free),
+            compute_capability=f"{cc[0]}.{cc[1]}" if cc is not None else None,
+            mig_enabled=mig_enabled,
+            mig_instances=self.mig_instances(handle) if mig_enabled else (),
+        )
+
+    def mig_instances(self, handle: Any) -> tuple[MigInstance, ...]:
+        nv = self.nvml
+        found = []
+        for index in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+            except nv.NVMLError_NotFound:
+                continue  # an empty slot
+            mem = nv.nvmlDeviceGetMemoryInfo(mig)
+            found.append(
+                MigInstance(
+                    uuid=_text(nv.nvmlDeviceGetUUID(mig)),
+                    name=_text(self.opt(nv.nvmlDeviceGetName, mig) or "mig"),
+                    memory_total_bytes=int(mem.total),
+                    memory_used_bytes=int(mem.used),
+                    gpu_instance_id=self.opt(nv.nvmlDeviceGetGpuInstanceId, mig),
+                    compute_instance_id=self.opt(nv.nvmlDeviceGetComputeInstanceId, mig),
+                )
+            )
+        return tuple(found)
+
+    def drain_xids(self) -> dict[str, list[int]]:
+        nv = self.nvml
+        xids: dict[str, list[int]] = {}
+        if self.event_set is None:
+            return xids
+        for _ in range(MAX_EVENTS_PER_PROBE):
+            try:
+                data = nv.nvmlEventSetWait_v2(self.event_set, 0)
+            except nv.NVMLError_Timeout:
+                break
+            if not data.eventType & nv.nvmlEventTypeXidCriticalError:
+                continue
+            try:
+                uuid = _text(nv.nvmlDeviceGetUUID(data.device))
+            except nv.NVMLError:
+                continue
+            xids.setdefault(uuid, []).append(int(data.eventData))
+        return xids
+
+    def read(self, uuid: str, xids: list[int]) -> Probe:
+        nv = self.nvml
+        handle = self.handles[uuid]
+        try:
+            temp = self.opt(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+            power_mw = self.opt(nv.nvmlDeviceGetPowerUsage, handle)
+            ecc = self.opt(
+                nv.nvmlDeviceGetTotalEccErrors,
+                handle,
+                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                nv.NVML_VOLATILE_ECC,
+            )
+            retired = self.opt(nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+            remapped = self.opt(nv.nvmlDeviceGetRemappedRows, handle)
+        except nv.NVMLError_GpuIsLost as exc:
+            return Probe(device_id=uuid, status=ProbeStatus.LOST, error=str(exc), xids=tuple(xids))
+        except nv.NVMLError as exc:
+            return Probe(
+                device_id=uuid, status=ProbeStatus.FAILED, error=str(exc), xids=tuple(xids)
+            )
+        slowdown = self.slowdown_c.get(uuid)
+        return Probe(
+            device_id=uuid,
+            status=ProbeStatus.OK,
+            xids=tuple(xids),
+            temperature_c=float(temp) if temp is not None else None,
+            power_w=power_mw / 1000 if power_mw is not None else None,
+            ecc_volatile_uncorrected=int(ecc) if ecc is not None else None,
+            retired_pages_pending=(retired == nv.NVML_FEATURE_ENABLED)
+            if retired is not None
+            else None,
+            remapped_rows_pending=bool(remapped[2] or remapped[3])
+            if remapped is not None
+            else None,
+            over_temperature=temp is not None and slowdown is not None and temp >= slowdown,
+        )
+
+    def probe(self) -> list[Probe]:
+        try:
+            xids = self.drain_xids()
+        except self.nvml.NVMLError:
+            xids = {}
+        return [self.read(uuid, xids.get(uuid, [])) for uuid in self.handles]
+
+    def rediscover(self) -> set[str]:
+        nv = self.nvml
+        visible = set()
+        for uuid in self.handles:
+            try:
+                handle = nv.nvmlDeviceGetHandleByUUID(uuid)
+                nv.nvmlDeviceGetMemoryInfo(handle)
+            except nv.NVMLError:
+                continue
+            self.handles[uuid] = handle
+            visible.add(uuid)
+        return visible
+
+    def close(self) -> None:
+        nv = self.nvml
+        try:
+            if self.event_set is not None:
+                nv.nvmlEventSetFree(self.event_set)
+        finally:
+            nv.nvmlShutdown()
+
+
+class NvmlSource:
+    """A DeviceSource over NVML. Build it with `open_nvml`."""
+
+    def __init__(self, nvml: Any, *, call_timeout: float) -> None:
+        self._sync = _Sync(nvml)
+        self._timeout = call_timeout
+        self._limiter = trio.CapacityLimiter(1)
+        self._closed = False
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        with trio.fail_after(self._timeout):
+            return await trio.to_thread.run_sync(fn, limiter=self._limiter, abandon_on_cancel=True)
+
+    async def probe(self) -> list[Probe]:
+        try:
+            return await self._call(self._sync.probe)
+        except trio.TooSlowError:
+            return [
+                Probe(device_id=uuid, status=ProbeStatus.FAILED, error="nvml_timeout")
+                for uuid in self._sync.handles
+            ]
+
+    async def rediscover(self) -> set[str]:
+        try:
+            return await self._call(self._sync.rediscover)
+        except trio.TooSlowError:
+            return set()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Shielded with a deadline: closing must not hang shutdown, nor be skipped by it.
+        with trio.move_on_after(self._timeout, shield=True):
+            try:
+                await trio.to_thread.run_sync(
+                    self._sync.close, limiter=self._limiter, abandon_on_cancel=True
+                )
+            except self._sync.nvml.NVMLError:
+                pass
+
+
+async def open_nvml(
+    nvml: Any, *, call_timeout: float = 5.0
+) -> tuple[NvmlSource, list[GpuDevice], str | None, str | None, list[str], list[Probe]]:
+    """Initialise NVML and read every GPU once.
+
+    Returns (source, gpus, driver_version, cuda_version, notes, first probes).
+    Raises NvmlUnavailable when NVML cannot be loaded or initialised.
+    """
+    source = NvmlSource(nvml, call_timeout=call_timeout)
+    try:
+        gpus, driver, cuda, notes = await source._call(source._sync.init)
+    except trio.TooSlowError as exc:
+        raise NvmlUnavailable("nvmlInit timed out") from exc
+    except Exception as exc:  # a missing library raises OSError-like errors too
+        await source.aclose()  # undo a half-done init; errors here are swallowed by aclose
+        raise NvmlUnavailable(f"{type(exc).__name__}: {exc}") from exc
+    probes = await source.probe()
+    return source, gpus, driver, cuda, notes, probes

@@ -1,0 +1,196 @@
+"""One object for the daemon to hold: inventory, health, ledger and journal, wired.
+
+`Machine.open(...)` takes plain parameters (no Config): it discovers devices,
+seeds health from the first readings, opens the journal, adopts what it held
+and reconciles leftovers of a dead daemon. Reserving journals the grant
+(fsync, in a worker thread, under a deadline) before returning it; if the
+journal cannot record it the ledger gives it back and the caller gets the
+error. Release frees the ledger first, synchronously, so resources are free
+the moment the work ends, then journals the release.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from node.discovery import discover
+from node.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
+from node.inventory import Inventory
+from node.journal import Journal, JournalError, JournalReplay
+from node.lanes import build_lanes
+from node.ledger import Ledger, Reservation, ReservationRequest
+from node.monitor import monitor_devices, sync_ledger
+from node.reconcile import ReconcileReport, reconcile
+from node.snapshot import NodeSnapshot, build_snapshot
+
+__all__ = ["Machine"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Machine:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        inventory: Inventory,
+        tracker: HealthTracker,
+        ledger: Ledger,
+        journal: Journal,
+        replay: JournalReplay,
+        journal_timeout: float,
+    ) -> None:
+        self.node_id = node_id
+        self.inventory = inventory
+        self.health = tracker
+        self.ledger = ledger
+        self.journal = journal
+        self.replay = replay
+        self.recovery: ReconcileReport | None = None
+        self._sequence = 0
+        self._journal_timeout = journal_timeout
+        self._journal_limiter = trio.CapacityLimiter(1)
+
+    @classmethod
+    async def open(
+        cls,
+        *,
+        node_id: str,
+        devices: str,
+        sim_file: Path | None,
+        state_dir: Path,
+        reserved_cpu_millis: int,
+        reserved_memory_bytes: int,
+        vram_headroom_bytes: int,
+        fatal_xids: frozenset[int] = DEFAULT_FATAL_XIDS,
+        recovery_probes: int = 3,
+        on_transition: Callable[[HealthTransition], None] | None = None,
+        pynvml_module: Any = None,
+        reconcile_grace: float = 5.0,
+        journal_timeout: float = 10.0,
+    ) -> Machine:
+        """Discover, open and replay the journal, reconcile. Raises JournalError (unsafe
+        journal path) and DiscoveryError (bad mode or sim file); NVML trouble is a
+        readiness reason in `inventory`, not an exception."""
+        inventory = await discover(devices, sim_file=sim_file, pynvml_module=pynvml_module)
+        ledger_box: list[Ledger] = []
+
+        def transition(event: HealthTransition) -> None:
+            if ledger_box:  # keep allocatable in step with health, at once
+                ledger_box[0].set_device_health(event.device_id, event.to_state)
+            if on_transition is not None:
+                on_transition(event)
+
+        tracker = HealthTracker(
+            fatal_xids=fatal_xids, recovery_probes=recovery_probes, on_transition=transition
+        )
+        now = trio.current_time()
+        for gpu in inventory.gpus:
+            tracker.register(gpu.uuid, at=now)
+        for probe in inventory.probes:
+            tracker.observe(probe, at=now)
+        ledger = Ledger(
+            lanes=build_lanes(inventory),
+            cpu_capacity_millis=inventory.cpu.capacity_millis,
+            memory_capacity_bytes=inventory.memory.capacity_bytes,
+            reserved_cpu_millis=reserved_cpu_millis,
+            reserved_memory_bytes=reserved_memory_bytes,
+            vram_headroom_bytes=vram_headroom_bytes,
+            device_health=tracker.states(),
+        )
+        ledger_box.append(ledger)
+        with trio.fail_after(journal_timeout):
+            journal, replay = await trio.to_thread.run_sync(
+                functools.partial(Journal.open, state_dir), abandon_on_cancel=True
+            )
+        for reservation in replay.reservations.values():
+            ledger.adopt(reservation)
+        machine = cls(
+            node_id=node_id,
+            inventory=inventory,
+            tracker=tracker,
+            ledger=ledger,
+            journal=journal,
+            replay=replay,
+            journal_timeout=journal_timeout,
+        )
+        machine.recovery = await reconcile(journal, ledger=ledger, grace=reconcile_grace)
+        return machine
+
+    async def _journal(self, write: Callable[[], T]) -> T:
+        with trio.fail_after(self._journal_timeout):
+            return await trio.to_thread.run_sync(
+                write, limiter=self._journal_limiter, abandon_on_cancel=True
+            )
+
+    async def reserve(self, request: ReservationRequest) -> Reservation:
+        """Reserve and journal; raises ReservationRefused, or the journal's error."""
+        reservation = self.ledger.reserve(request)
+        try:
+            await self._journal(functools.partial(self.journal.record_reserve, reservation))
+        except BaseException:
+            # Not durably recorded: do not hand it out. A record that lands late is
+            # released by reconcile on the next start (it has no process).
+            self.ledger.release(reservation.reservation_id)
+            raise
+        return reservation
+
+    async def release(self, reservation_id: str) -> Reservation | None:
+        """Free now, then journal; idempotent. A journal failure is logged, not raised:
+        the resources are already free here, and a restart releases the record."""
+        reservation = self.ledger.release(reservation_id)
+        if reservation is None:
+            return None
+        try:
+            with trio.CancelScope(shield=True):
+                await self._journal(functools.partial(self.journal.record_release, reservation_id))
+        except (OSError, JournalError, trio.TooSlowError) as exc:
+            log.warning("journal release of %s failed: %s", reservation_id, exc)
+        return reservation
+
+    async def process_started(self, reservation_id: str, pid: int, start_time: float) -> None:
+        await self._journal(
+            functools.partial(self.journal.record_process_started, reservation_id, pid, start_time)
+        )
+
+    async def process_ended(self, reservation_id: str, pid: int) -> None:
+        with trio.CancelScope(shield=True):
+            await self._journal(
+                functools.partial(self.journal.record_process_ended, reservation_id, pid)
+            )
+
+    def snapshot(self, *, readiness_reasons: tuple[str, ...] = ()) -> NodeSnapshot:
+        self._sequence += 1
+        return build_snapshot(
+            node_id=self.node_id,
+            sequence=self._sequence,
+            inventory=self.inventory,
+            health=self.health,
+            ledger=self.ledger,
+            readiness_reasons=readiness_reasons,
+        )
+
+    async def monitor(self, *, interval: float = 5.0, probe_timeout: float = 10.0) -> None:
+        """Probe devices until cancelled (returns at once without a device source)."""
+        if self.inventory.source is None:
+            return
+        sync_ledger(self.health, self.ledger)
+        await monitor_devices(
+            self.inventory.source,
+            self.health,
+            interval=interval,
+            probe_timeout=probe_timeout,
+            ledger=self.ledger,
+        )
+
+    async def aclose(self) -> None:
+        if self.inventory.source is not None:
+            await self.inventory.source.aclose()
+        self.journal.close()

@@ -1,0 +1,238 @@
+"""The NodeSnapshot wire type and `build_snapshot`, which fills it in O(devices + lanes).
+
+A versioned, immutable document (msgspec Structs: frozen, kw_only,
+forbid_unknown_fields, snake_case). It carries ids, facts, health and
+amounts only: never a credential, a token or a driver handle. Reservations
+are not listed; the ledger keeps running totals, so the cost of a snapshot
+does not grow with the number of reservations.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+import msgspec
+
+from node.health import HealthState, HealthTracker
+from node.inventory import GpuDevice, Inventory
+from node.lanes import Isolation, LaneKind
+from node.ledger import Ledger, ResourceAmounts
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Amounts",
+    "CapacitySection",
+    "CpuSection",
+    "DeviceSection",
+    "LaneSection",
+    "MemorySection",
+    "MigSection",
+    "NodeSnapshot",
+    "VramAmounts",
+    "build_snapshot",
+    "rfc3339",
+]
+
+SCHEMA_VERSION = 1
+
+
+class _Wire(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class CpuSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    logical_cores: int
+    physical_cores: int | None
+    model: str
+    numa_nodes: int | None
+    cgroup_limit_millis: int | None
+
+
+class MemorySection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    total_bytes: int
+    available_bytes: int
+    cgroup_limit_bytes: int | None
+
+
+class MigSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mig_uuid: str
+    profile: str
+    memory_total_bytes: int
+
+
+class DeviceSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    device_id: str
+    kind: str = "gpu"
+    model: str
+    pci_bus_id: str | None
+    memory_total_bytes: int
+    memory_used_bytes: int | None
+    compute_capability: str | None
+    mig_enabled: bool
+    mig_instances: tuple[MigSection, ...]
+    health: HealthState
+    health_reasons: tuple[str, ...]
+    # Telemetry from the latest good reading; absent when unsupported or unread.
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_volatile_uncorrected: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+
+
+class LaneSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    lane_id: str
+    kind: LaneKind
+    device_id: str
+    mig_uuid: str | None
+    accepts: tuple[Isolation, ...]
+    health: HealthState
+    drained: bool
+    vram_bytes: int
+
+
+class Amounts(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    capacity: int
+    reserved: int
+    allocated: int
+    allocatable: int
+
+
+class VramAmounts(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    device_id: str
+    lane_id: str
+    capacity: int
+    reserved: int
+    allocated: int
+    allocatable: int
+
+
+class CapacitySection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    cpu_millis: Amounts
+    memory_bytes: Amounts
+    gpus: Amounts
+    vram_bytes: tuple[VramAmounts, ...]
+
+
+class NodeSnapshot(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    schema_version: int
+    node_id: str
+    sequence: int
+    observed_at: str  # RFC 3339, UTC
+    backend: str
+    driver_version: str | None
+    cuda_version: str | None
+    cpu: CpuSection
+    memory: MemorySection
+    devices: tuple[DeviceSection, ...]
+    lanes: tuple[LaneSection, ...]
+    capacity: CapacitySection
+    readiness_reasons: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+def rfc3339(moment: datetime.datetime) -> str:
+    """UTC, second precision with milliseconds, "Z" suffix."""
+    utc = moment.astimezone(datetime.UTC)
+    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
+
+
+def _amounts(a: ResourceAmounts) -> Amounts:
+    return Amounts(
+        capacity=a.capacity, reserved=a.reserved, allocated=a.allocated, allocatable=a.allocatable
+    )
+
+
+def _device(gpu: GpuDevice, health: HealthTracker) -> DeviceSection:
+    h = health.health(gpu.uuid)
+    last = health.last_reading(gpu.uuid)
+    return DeviceSection(
+        device_id=gpu.uuid,
+        model=gpu.name,
+        pci_bus_id=gpu.pci_bus_id,
+        memory_total_bytes=gpu.memory_total_bytes,
+        memory_used_bytes=gpu.memory_used_bytes,
+        compute_capability=gpu.compute_capability,
+        mig_enabled=gpu.mig_enabled,
+        mig_instances=tuple(
+            MigSection(mig_uuid=m.uuid, profile=m.name, memory_total_bytes=m.memory_total_bytes)
+            for m in gpu.mig_instances
+        ),
+        health=h.state,
+        health_reasons=h.reasons,
+        temperature_c=last.temperature_c if last else None,
+        power_w=last.power_w if last else None,
+        ecc_volatile_uncorrected=last.ecc_volatile_uncorrected if last else None,
+        retired_pages_pending=last.retired_pages_pending if last else None,
+        remapped_rows_pending=last.remapped_rows_pending if last else None,
+    )
+
+
+def build_snapshot(
+    *,
+    node_id: str,
+    sequence: int,
+    inventory: Inventory,
+    health: HealthTracker,
+    ledger: Ledger,
+    observed_at: datetime.datetime | None = None,
+    readiness_reasons: Iterable[str] = (),
+) -> NodeSnapshot:
+    """Assemble a NodeSnapshot; extra `readiness_reasons` (e.g. journal recovery) are appended."""
+    view = ledger.capacity()
+    lanes = tuple(
+        LaneSection(
+            lane_id=lane.lane_id,
+            kind=lane.kind,
+            device_id=lane.device_id,
+            mig_uuid=lane.visible_uuid if lane.kind is LaneKind.MIG else None,
+            accepts=tuple(sorted(lane.accepts)),
+            health=ledger.lane_health(lane.lane_id),
+            drained=ledger.is_drained(lane.lane_id),
+            vram_bytes=lane.vram_bytes,
+        )
+        for lane in ledger.lanes()
+    )
+    cpu, mem = inventory.cpu, inventory.memory
+    return NodeSnapshot(
+        schema_version=SCHEMA_VERSION,
+        node_id=node_id,
+        sequence=sequence,
+        observed_at=rfc3339(observed_at or datetime.datetime.now(datetime.UTC)),
+        backend=inventory.backend,
+        driver_version=inventory.driver_version,
+        cuda_version=inventory.cuda_version,
+        cpu=CpuSection(
+            logical_cores=cpu.logical_cores,
+            physical_cores=cpu.physical_cores,
+            model=cpu.model,
+            numa_nodes=cpu.numa_nodes,
+            cgroup_limit_millis=cpu.cgroup_limit_millis,
+        ),
+        memory=MemorySection(
+            total_bytes=mem.total_bytes,
+            available_bytes=mem.available_bytes,
+            cgroup_limit_bytes=mem.cgroup_limit_bytes,
+        ),
+        devices=tuple(_device(gpu, health) for gpu in inventory.gpus),
+        lanes=lanes,
+        capacity=CapacitySection(
+            cpu_millis=_amounts(view.cpu_millis),
+            memory_bytes=_amounts(view.memory_bytes),
+            gpus=_amounts(view.gpus),
+            vram_bytes=tuple(
+                VramAmounts(
+                    device_id=u.device_id,
+                    lane_id=u.lane_id,
+                    capacity=u.vram.capacity,
+                    reserved=u.vram.reserved,
+                    allocated=u.vram.allocated,
+                    allocatable=u.vram.allocatable,
+                )
+                for u in view.lanes
+            ),
+        ),
+        readiness_reasons=(*inventory.readiness_reasons, *readiness_reasons),
+        notes=inventory.notes,
+    )

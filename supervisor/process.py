@@ -1,0 +1,417 @@
+"""The `process` executor: run one invocation as a child process group.
+
+The child starts in its own session (so its process group id is its pid) with
+stdin from /dev/null, a tight environment, the devices it was granted and
+nothing else, and optionally a memory limit and a CPU set. However the run
+ends - normal exit, an exception, the caller's cancel scope or deadline,
+KeyboardInterrupt - the whole process group is ended: SIGTERM, up to
+`kill_grace` seconds for it to empty, then SIGKILL. That cleanup runs shielded
+and with its own deadline, and then whatever ended the run propagates.
+
+Memory: a per-invocation cgroup v2 with `memory.max` when the host allows it;
+otherwise RLIMIT_AS, but only for CPU-only work (CUDA reserves huge virtual
+address ranges, so an address-space limit would break GPU work); otherwise
+the limit is not enforced by the kernel and a warning is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import resource
+import signal
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil  # type: ignore[import-untyped,unused-ignore]
+import trio
+
+from supervisor.cgroup import CGROUP_NAME_RE, CgroupV2
+from supervisor.output import OutputRing, pump
+
+__all__ = [
+    "ENV_ALLOW_LIST",
+    "RESERVED_ENV_NAMES",
+    "SYSTEM_CGROUPS",
+    "InvalidProcessRequest",
+    "ProcessSpec",
+    "ProcessStuck",
+    "build_environment",
+    "run_process",
+    "terminate_group",
+    "validate_argv",
+    "validate_env",
+    "validate_spec",
+]
+
+log = logging.getLogger(__name__)
+
+# What a child inherits from the daemon's own environment; nothing else leaks.
+ENV_ALLOW_LIST = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TERM",
+    "USER",
+    "LOGNAME",
+    "TMPDIR",
+)
+# Set by the supervisor or able to widen what the child may touch.
+RESERVED_ENV_NAMES = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LD_PRELOAD", "LD_LIBRARY_PATH"}
+)
+RESERVED_ENV_PREFIX = "LITEGRAPH_"
+DEVICE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+
+MAX_ENV_ENTRIES = 64
+MAX_ENV_ITEM_BYTES = 4096
+MAX_ARGV_ENTRIES = 256
+MAX_ARGV_ITEM_BYTES = 4096
+
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# GPU-<uuid>, MIG-<uuid>, MIG-GPU-<uuid>/<gi>/<ci>: never a separator or blank.
+_DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+
+_POLL_SECONDS = 0.05
+# After SIGKILL: how long to wait for the kernel to tear the group down.
+_KILL_WAIT_SECONDS = 3.0
+# After the group is gone: how long the pumps may take to read what is left
+# in the pipes (longer only if something outside the group holds them).
+_DRAIN_SECONDS = 1.0
+
+SYSTEM_CGROUPS = CgroupV2()
+
+
+class InvalidProcessRequest(ValueError):
+    """The caller asked for something this executor refuses (the caller's fault)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ProcessStuck(RuntimeError):
+    """The child survived SIGKILL within the wait (e.g. stuck in the kernel)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(f"process {pid} did not exit after SIGKILL")
+        self.pid = pid
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    # LITEGRAPH_CAPABILITY_TOKEN, LITEGRAPH_NODE_URL, LITEGRAPH_LANE_IDS, ...
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    # GPU or MIG uuids granted; empty means "no device", never "all devices".
+    visible_devices: tuple[str, ...] = ()
+    cpu_affinity: tuple[int, ...] | None = None
+    memory_limit_bytes: int | None = None
+    cpu_only: bool = True
+    # Unique per live invocation (use the invocation id): it names the cgroup.
+    cgroup_name: str = "invocation"
+
+
+# -- validation --------------------------------------------------------------
+
+
+def _check_text(field_name: str, value: object, limit: int) -> str:
+    if not isinstance(value, str):
+        raise InvalidProcessRequest(field_name, "must be a string")
+    if "\x00" in value:
+        raise InvalidProcessRequest(field_name, "contains a NUL byte")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidProcessRequest(field_name, "is not valid UTF-8 text") from None
+    if size > limit:
+        raise InvalidProcessRequest(field_name, f"longer than {limit} bytes")
+    return value
+
+
+def validate_env(env: Mapping[str, str]) -> None:
+    """Refuse an invocation environment that is too big, malformed or reserved."""
+    if len(env) > MAX_ENV_ENTRIES:
+        raise InvalidProcessRequest("env", f"more than {MAX_ENV_ENTRIES} variables")
+    for name, value in env.items():
+        _check_text("env", name, MAX_ENV_ITEM_BYTES)
+        if not _ENV_NAME_RE.fullmatch(name):
+            raise InvalidProcessRequest(f"env.{name}", "not a valid variable name")
+        if name.startswith(RESERVED_ENV_PREFIX) or name in RESERVED_ENV_NAMES:
+            raise InvalidProcessRequest(f"env.{name}", "reserved: set by the node only")
+        _check_text(f"env.{name}", value, MAX_ENV_ITEM_BYTES)
+
+
+def validate_argv(argv: Sequence[str]) -> None:
+    """1..256 arguments, each at most 4 KiB without NUL; argv[0] not empty."""
+    if isinstance(argv, str | bytes):
+        raise InvalidProcessRequest("argv", "must be a list of strings")
+    if not 1 <= len(argv) <= MAX_ARGV_ENTRIES:
+        raise InvalidProcessRequest("argv", f"must have 1 to {MAX_ARGV_ENTRIES} entries")
+    for index, arg in enumerate(argv):
+        _check_text(f"argv[{index}]", arg, MAX_ARGV_ITEM_BYTES)
+    if not argv[0]:
+        raise InvalidProcessRequest("argv[0]", "must not be empty")
+
+
+def validate_spec(spec: ProcessSpec) -> None:
+    """Everything run_process relies on, checked before anything is created."""
+    validate_argv(spec.argv)
+    validate_env(spec.env)
+    for name, value in spec.extra_env.items():
+        _check_text("extra_env", name, MAX_ENV_ITEM_BYTES)
+        if not _ENV_NAME_RE.fullmatch(name):
+            raise InvalidProcessRequest(f"extra_env.{name}", "not a valid variable name")
+        _check_text(f"extra_env.{name}", value, MAX_ENV_ITEM_BYTES)
+    for device in spec.visible_devices:
+        if not isinstance(device, str) or not _DEVICE_ID_RE.fullmatch(device):
+            raise InvalidProcessRequest("visible_devices", f"invalid device id {device!r}")
+    if spec.cwd is not None:
+        _check_text("cwd", spec.cwd, MAX_ARGV_ITEM_BYTES)
+    if spec.cpu_only and spec.visible_devices:
+        # CPU-only work may get RLIMIT_AS, which breaks CUDA: a contradiction, refuse it.
+        raise InvalidProcessRequest("cpu_only", "devices granted to CPU-only work")
+    if spec.memory_limit_bytes is not None and spec.memory_limit_bytes <= 0:
+        raise InvalidProcessRequest("memory_limit_bytes", "must be positive")
+    if spec.cpu_affinity is not None:
+        allowed = os.sched_getaffinity(0)
+        if not spec.cpu_affinity or not set(spec.cpu_affinity) <= allowed:
+            raise InvalidProcessRequest(
+                "cpu_affinity", f"must be a non-empty subset of {sorted(allowed)}"
+            )
+    if not CGROUP_NAME_RE.fullmatch(spec.cgroup_name):
+        raise InvalidProcessRequest("cgroup_name", "must match [A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[str, str]:
+    """Allow-listed daemon variables < the invocation's env < supervisor variables."""
+    env = {name: parent_env[name] for name in ENV_ALLOW_LIST if name in parent_env}
+    env.update(spec.env)
+    env.update(spec.extra_env)
+    # Last, so nothing above can widen the device set; "" hides every GPU.
+    devices = ",".join(spec.visible_devices)
+    for name in DEVICE_ENV_NAMES:
+        env[name] = devices
+    return env
+
+
+# -- ending a process group --------------------------------------------------
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    """Send `signum` to the group; False if the group no longer exists."""
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """True while a process of the group exists that is not a zombie.
+
+    kill(-pgid, 0) alone counts zombies, and orphans are reaped by init only
+    when init gets to it (lazily by some container inits, never by a daemon
+    running as PID 1 without one): a zombie holds no resources, so it is gone.
+    """
+    if not _signal_group(pgid, 0):
+        return False
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # cannot tell: assume alive, so SIGKILL still follows
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                # After "(comm)", which may itself contain ")": state, ppid, pgrp, ...
+                state, _ppid, pgrp = stat.read().rsplit(b")", 1)[1].split()[:3]
+            if int(pgrp) == pgid and state not in (b"Z", b"X"):
+                return True
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+    return False
+
+
+async def _wait_group_gone(pgid: int, seconds: float, leader: trio.Process | None) -> bool:
+    with trio.move_on_after(seconds):
+        if leader is not None:
+            # Our own child stays a zombie (still a group member) until reaped.
+            await leader.wait()
+        # The kernel offers no event for "group empty" (a pidfd covers one process).
+        while _group_has_live_member(pgid):  # noqa: ASYNC110
+            await trio.sleep(_POLL_SECONDS)
+        return True
+    return False
+
+
+async def terminate_group(pgid: int, grace: float, *, leader: trio.Process | None = None) -> bool:
+    """SIGTERM the process group, wait up to `grace` for it to empty, then SIGKILL.
+
+    `leader`, when the group leader is our own child, is reaped along the way.
+    Returns True once the group is empty, False if it survived SIGKILL (logged;
+    like Slurm's "kill task failed", the caller should treat the lane as
+    suspect). Callers on a cancellation path run this under a shielded scope
+    with a deadline.
+    """
+    if not _signal_group(pgid, signal.SIGTERM) and leader is None:
+        return True
+    if await _wait_group_gone(pgid, grace, leader):
+        return True
+    log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
+    _signal_group(pgid, signal.SIGKILL)
+    if await _wait_group_gone(pgid, _KILL_WAIT_SECONDS, leader):
+        return True
+    log.error("process group %d survived SIGKILL", pgid)
+    return False
+
+
+async def _wait_exit_unreaped(proc: trio.Process, pidfd: int | None) -> None:
+    """Wait for the leader to exit but leave it a zombie.
+
+    While the zombie exists its pid - the group id - cannot be reused, so the
+    SIGTERM that follows cannot reach an unrelated process group.
+    """
+    if pidfd is None:
+        await proc.wait()
+    else:
+        await trio.lowlevel.wait_readable(pidfd)
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None  # old kernel: fall back to waiting with reaping
+
+
+# -- running -----------------------------------------------------------------
+
+
+# preexec_fn forks with other threads alive (trio's spawn thread among them);
+# the hook therefore only makes syscalls - no imports, locks or logging.
+def _preexec(
+    affinity: tuple[int, ...] | None,
+    rlimit_as: int | None,
+    join_cgroup: Callable[[], None] | None,
+) -> Callable[[], None] | None:
+    if affinity is None and rlimit_as is None and join_cgroup is None:
+        return None
+
+    def setup() -> None:
+        # Runs in the forked child before exec: syscalls only.
+        if join_cgroup is not None:
+            join_cgroup()
+        if rlimit_as is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (rlimit_as, rlimit_as))
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+
+    return setup
+
+
+def _memory_plan(spec: ProcessSpec, cgroups: CgroupV2 | None) -> tuple[Path | None, int | None]:
+    """(cgroup directory, RLIMIT_AS bytes) enforcing spec.memory_limit_bytes."""
+    limit = spec.memory_limit_bytes
+    if limit is None:
+        return None, None
+    if cgroups is not None:
+        path = cgroups.create(spec.cgroup_name, limit)
+        if path is not None:
+            return path, None
+    if spec.cpu_only:
+        return None, limit
+    log.warning(
+        "memory limit of %d bytes for %s not enforced: no usable cgroup v2 and "
+        "RLIMIT_AS would break GPU work",
+        limit,
+        spec.cgroup_name,
+    )
+    return None, None
+
+
+async def run_process(
+    spec: ProcessSpec,
+    *,
+    stdout: OutputRing,
+    stderr: OutputRing,
+    on_started: Callable[[int, float], None],
+    kill_grace: float = 5.0,
+    cgroups: CgroupV2 | None = SYSTEM_CGROUPS,
+    parent_env: Mapping[str, str] | None = None,
+) -> int:
+    """Run `spec` to the end and return its exit code (negative: killed by that signal).
+
+    `on_started(pid, create_time)` is called right after spawn, before any
+    output is read; (pid, create_time) identifies the process even after pid
+    reuse. `cgroups=None` never uses cgroups; `parent_env` defaults to os.environ.
+    """
+    validate_spec(spec)
+    env = build_environment(spec, os.environ if parent_env is None else parent_env)
+    cgroup_dir, rlimit_as = _memory_plan(spec, cgroups)
+    join = cgroups.preexec_join(cgroup_dir) if cgroups and cgroup_dir else None
+    try:
+        proc = await trio.lowlevel.open_process(
+            list(spec.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=spec.cwd,
+            start_new_session=True,
+            preexec_fn=_preexec(spec.cpu_affinity, rlimit_as, join),
+        )
+    except BaseException:
+        if cgroups is not None and cgroup_dir is not None:
+            with trio.move_on_after(5, shield=True):
+                await cgroups.remove(cgroup_dir)
+        raise
+    assert proc.stdout is not None and proc.stderr is not None
+    pgid = proc.pid  # start_new_session: the child leads its own group
+    pidfd = _open_pidfd(proc.pid)
+    ended = False
+
+    async def end_group() -> None:
+        # Once only: after the group is gone its id could be reused.
+        nonlocal ended
+        if ended:
+            return
+        ended = True
+        with trio.move_on_after(kill_grace + 5, shield=True):
+            await terminate_group(pgid, kill_grace, leader=proc)
+            if cgroups is not None and cgroup_dir is not None:
+                await cgroups.remove(cgroup_dir)
+
+    try:
+        # Not reaped yet, so psutil can read it even if it already exited.
+        on_started(proc.pid, psutil.Process(proc.pid).create_time())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, proc.stdout, stdout)
+            nursery.start_soon(pump, proc.stderr, stderr)
+            await _wait_exit_unreaped(proc, pidfd)
+            # A normal exit too ends the group: grandchildren left behind go as well,
+            # and then the pipes reach EOF.
+            await end_group()
+            nursery.cancel_scope.deadline = min(
+                nursery.cancel_scope.deadline, trio.current_time() + _DRAIN_SECONDS
+            )
+    finally:
+        # Exception, cancellation, KeyboardInterrupt: same ending, then it propagates.
+        await end_group()
+        if pidfd is not None:
+            os.close(pidfd)
+        await trio.aclose_forcefully(proc.stdout)
+        await trio.aclose_forcefully(proc.stderr)
+    if proc.returncode is None:
+        raise ProcessStuck(proc.pid)
+    return proc.returncode

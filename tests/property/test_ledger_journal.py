@@ -1,0 +1,215 @@
+"""A stateful property test over the capacity ledger and its journal.
+
+Reserve, release (twice), change device health, drain/resume lanes and crash +
+restart from the journal (sometimes with a torn tail), checking after every
+step: allocatable is never negative, allocated equals the sum of live
+reservations, and the ledger rebuilt from the journal equals the one before
+the crash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from pathlib import Path
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from node.health import HealthState
+from node.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
+from node.journal import JOURNAL_FILENAME, Journal
+from node.lanes import Isolation, Requirement, build_lanes
+from node.ledger import Ledger, RefusalReason, Reservation, ReservationRefused, ReservationRequest
+
+GiB = 1 << 30
+GPUS = ("GPU-a", "GPU-b", "GPU-m")
+INVENTORY = Inventory(
+    backend="sim",
+    cpu=CpuInfo(logical_cores=8, physical_cores=4, model="m", numa_nodes=1, capacity_millis=8000),
+    memory=MemoryInfo(total_bytes=32 * GiB, available_bytes=32 * GiB, capacity_bytes=32 * GiB),
+    gpus=(
+        GpuDevice(uuid="GPU-a", name="g", pci_bus_id=None, memory_total_bytes=16 * GiB),
+        GpuDevice(uuid="GPU-b", name="g", pci_bus_id=None, memory_total_bytes=8 * GiB),
+        GpuDevice(
+            uuid="GPU-m",
+            name="g",
+            pci_bus_id=None,
+            memory_total_bytes=16 * GiB,
+            mig_enabled=True,
+            mig_instances=(
+                MigInstance(uuid="MIG-1", name="1g", memory_total_bytes=4 * GiB),
+                MigInstance(uuid="MIG-2", name="2g", memory_total_bytes=8 * GiB),
+            ),
+        ),
+    ),
+)
+LANES = build_lanes(INVENTORY)
+IDS = st.sampled_from([f"inv-{i}" for i in range(8)])
+_dirs = itertools.count()
+
+
+def new_ledger(health: dict[str, HealthState], drained: set[str]) -> Ledger:
+    ledger = Ledger(
+        lanes=LANES,
+        cpu_capacity_millis=8000,
+        memory_capacity_bytes=32 * GiB,
+        reserved_cpu_millis=500,
+        reserved_memory_bytes=GiB,
+        vram_headroom_bytes=GiB // 2,
+        device_health=health,
+    )
+    for lane_id in drained:
+        ledger.drain(lane_id)
+    return ledger
+
+
+class LedgerJournalMachine(RuleBasedStateMachine):
+    base: Path = Path(tempfile.gettempdir())
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = self.base / f"m{next(_dirs)}"
+        self.health = dict.fromkeys(GPUS, HealthState.HEALTHY)
+        self.drained: set[str] = set()
+        self.ledger = new_ledger(self.health, self.drained)
+        # Not fsync'd per record here: durability is the unit tests' job, speed is ours.
+        self.journal, _ = Journal.open(self.dir, durable=False, compact_every=12)
+        self.live: dict[str, Reservation] = {}
+
+    def teardown(self) -> None:
+        self.journal.close()
+
+    @rule(
+        rid=IDS,
+        cpu=st.integers(0, 4000),
+        mem=st.integers(0, 12).map(lambda g: g * GiB),
+        requirement=st.sampled_from(Requirement),
+        isolation=st.sampled_from(Isolation),
+        vram=st.sampled_from([0, GiB, 3 * GiB, 7 * GiB, 20 * GiB]),
+        gpus=st.integers(1, 2),
+    )
+    def reserve(
+        self,
+        rid: str,
+        cpu: int,
+        mem: int,
+        requirement: Requirement,
+        isolation: Isolation,
+        vram: int,
+        gpus: int,
+    ) -> None:
+        request = ReservationRequest(
+            reservation_id=rid,
+            cpu_millis=cpu,
+            memory_bytes=mem,
+            requirement=requirement,
+            isolation=isolation,
+            vram_bytes=vram,
+            gpus=gpus,
+        )
+        before = self.ledger.capacity()
+        try:
+            reservation = self.ledger.reserve(request)
+        except ReservationRefused as refusal:
+            assert self.ledger.capacity() == before  # all or nothing
+            assert (refusal.reason is RefusalReason.DUPLICATE_RESERVATION) == (rid in self.live)
+            return
+        assert rid not in self.live
+        assert len(reservation.lanes) >= 1
+        self.journal.record_reserve(reservation)
+        self.live[rid] = reservation
+
+    @rule(rid=IDS)
+    def release_twice(self, rid: str) -> None:
+        released = self.ledger.release(rid)
+        assert (released is not None) == (rid in self.live)
+        if released is not None:
+            self.journal.record_release(rid)
+            del self.live[rid]
+        after = self.ledger.capacity()
+        assert self.ledger.release(rid) is None
+        assert self.ledger.capacity() == after
+
+    @rule(device=st.sampled_from(GPUS), state=st.sampled_from(HealthState))
+    def health_change(self, device: str, state: HealthState) -> None:
+        self.health[device] = state
+        self.ledger.set_device_health(device, state)
+
+    @rule(index=st.integers(0, len(LANES) - 1), drain=st.booleans())
+    def drain_or_resume(self, index: int, drain: bool) -> None:
+        lane_id = LANES[index].lane_id
+        if drain:
+            self.ledger.drain(lane_id)
+            self.drained.add(lane_id)
+        else:
+            self.ledger.resume(lane_id)
+            self.drained.discard(lane_id)
+
+    @rule(torn=st.sampled_from([b"", b"\x00\x00", b"\x00\x00\x00\x30\x12\x34\x56\x78abc"]))
+    def crash_and_restart(self, torn: bytes) -> None:
+        before = self.ledger.capacity()
+        self.journal.close()
+        if torn:  # a write the dead daemon never finished
+            fd = os.open(self.dir / JOURNAL_FILENAME, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, torn)
+            os.close(fd)
+        self.journal, replay = Journal.open(self.dir, durable=False, compact_every=12)
+        assert (replay.problem is None) == (not torn)
+        ledger = new_ledger(self.health, self.drained)
+        for reservation in replay.reservations.values():
+            ledger.adopt(reservation)
+        assert replay.reservations == self.live
+        assert ledger.capacity() == before
+        self.ledger = ledger
+
+    @invariant()
+    def allocatable_never_negative(self) -> None:
+        cap = self.ledger.capacity()
+        for amounts in (cap.cpu_millis, cap.memory_bytes, cap.gpus, *(u.vram for u in cap.lanes)):
+            assert amounts.allocatable >= 0
+            assert amounts.allocatable <= amounts.capacity
+
+    @invariant()
+    def allocated_is_sum_of_live(self) -> None:
+        cap = self.ledger.capacity()
+        assert self.ledger.reservations() == self.live
+        assert self.journal.reservations() == self.live
+        assert cap.cpu_millis.allocated == sum(r.cpu_millis for r in self.live.values())
+        assert cap.memory_bytes.allocated == sum(r.memory_bytes for r in self.live.values())
+        held: dict[str, int] = {}
+        for r in self.live.values():
+            for grant in r.lanes:
+                if grant.kind.value != "cpu":
+                    held[grant.lane_id] = held.get(grant.lane_id, 0) + grant.vram_bytes
+        for usage in cap.lanes:
+            assert usage.vram.allocated == held.get(usage.lane_id, 0)
+            assert usage.vram.allocated + usage.vram.reserved <= usage.vram.capacity
+        assert cap.gpus.allocated == len(held)
+
+
+def test_ledger_and_journal_state_machine(tmp_path: Path) -> None:
+    LedgerJournalMachine.base = tmp_path
+    run_state_machine_as_test(
+        LedgerJournalMachine,
+        settings=settings(max_examples=200, stateful_step_count=30, deadline=None),
+    )
+
+
+def test_durable_journal_replays(tmp_path: Path) -> None:
+    journal, _ = Journal.open(tmp_path, durable=True)
+    ledger = new_ledger(dict.fromkeys(GPUS, HealthState.HEALTHY), set())
+    for i in range(5):
+        journal.record_reserve(
+            ledger.reserve(ReservationRequest(reservation_id=f"d{i}", cpu_millis=10))
+        )
+    journal.close()
+    _, replay = Journal.open(tmp_path)
+    assert replay.reservations == ledger.reservations()

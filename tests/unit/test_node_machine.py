@@ -1,0 +1,99 @@
+"""The wired Machine: discovery + health + ledger + journal, and a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from node.health import HealthState, HealthTransition
+from node.journal import JournalUnsafe
+from node.lanes import Isolation, Requirement
+from node.ledger import RefusalReason, ReservationRefused, ReservationRequest
+from node.machine import Machine
+
+GiB = 1 << 30
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sim-workstation.toml"
+G1 = "GPU-5e1d0a3c-0000-4000-8000-5157a0000001"
+
+
+async def open_machine(state: Path, sim_file: Path | None = None, **kw: object) -> Machine:
+    return await Machine.open(
+        node_id="node-t",
+        devices="sim",
+        sim_file=sim_file,
+        state_dir=state,
+        reserved_cpu_millis=1000,
+        reserved_memory_bytes=GiB,
+        vram_headroom_bytes=GiB // 2,
+        recovery_probes=2,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_reserve_release_and_restart(tmp_path: Path) -> None:
+    machine = await open_machine(tmp_path)
+    assert machine.recovery is not None and machine.recovery.released == ()
+    r = await machine.reserve(
+        ReservationRequest(
+            reservation_id="inv-1",
+            cpu_millis=2000,
+            requirement=Requirement.GPU,
+            isolation=Isolation.DEDICATED,
+        )
+    )
+    assert r.visible_devices == (G1,)
+    with pytest.raises(ReservationRefused) as info:
+        await machine.reserve(ReservationRequest(reservation_id="inv-1"))
+    assert info.value.reason is RefusalReason.DUPLICATE_RESERVATION
+    await machine.reserve(ReservationRequest(reservation_id="inv-2", cpu_millis=500))
+    assert await machine.release("inv-2") is not None
+    assert await machine.release("inv-2") is None
+    first = machine.snapshot()
+    second = machine.snapshot()
+    assert (first.sequence, second.sequence) == (1, 2)
+    assert first.capacity.cpu_millis.allocated == 2000
+    await machine.aclose()  # the daemon stops with inv-1 still held (no process recorded)
+
+    again = await open_machine(tmp_path)
+    assert set(again.replay.reservations) == {"inv-1"}
+    assert again.recovery is not None and again.recovery.released == ("inv-1",)
+    assert again.snapshot().capacity.cpu_millis.allocated == 0
+    await again.aclose()
+
+
+async def test_unsafe_journal_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "reservations.journal").symlink_to(target)
+    with pytest.raises(JournalUnsafe):
+        await open_machine(tmp_path / "state")
+
+
+async def test_health_reaches_the_ledger(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    events: list[HealthTransition] = []
+    # Journal I/O runs in a thread: jump the clock only once that is done.
+    machine = await open_machine(tmp_path, EXAMPLE, on_transition=events.append)
+    mock_clock.autojump_threshold = 0
+    dedicated = ReservationRequest(
+        reservation_id="d", requirement=Requirement.GPU, isolation=Isolation.DEDICATED
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: machine.monitor(interval=1.0))
+        await trio.sleep(62)  # past xid 48 at t=60
+        assert machine.health.state(G1) is HealthState.UNHEALTHY
+        with pytest.raises(ReservationRefused) as info:
+            machine.ledger.reserve(dedicated)
+        assert info.value.reason is RefusalReason.LANE_UNHEALTHY
+        await trio.sleep(40)  # recovered at t=90, plus the good probes
+        assert machine.health.state(G1) is HealthState.HEALTHY
+        assert machine.ledger.reserve(dedicated).visible_devices == (G1,)
+        nursery.cancel_scope.cancel()
+    assert any(e.to_state is HealthState.UNHEALTHY for e in events)
+    mock_clock.autojump_threshold = float("inf")
+    await machine.aclose()
