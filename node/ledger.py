@@ -149,6 +149,8 @@ class Ledger:
             default = HealthState.HEALTHY if lane.kind is LaneKind.CPU else HealthState.UNKNOWN
             self._health[lane.lane_id] = (device_health or {}).get(lane.device_id, default)
         self._drained: set[str] = set()
+        # Lanes whose owner failed too often: out of allocatable until cleared.
+        self._faulted: set[str] = set()
         self._reservations: dict[str, Reservation] = {}
         self._cpu_allocated = 0
         self._memory_allocated = 0
@@ -170,7 +172,18 @@ class Ledger:
                 self._health[lane.lane_id] = state
 
     def lane_health(self, lane_id: str) -> HealthState:
+        if lane_id in self._faulted:
+            return HealthState.UNHEALTHY
         return self._health.get(lane_id, HealthState.UNKNOWN)
+
+    def fault_lane(self, lane_id: str) -> None:
+        """Take a lane out of allocatable for a fault of its own (not its device's)."""
+        self._require_lane(lane_id)
+        self._faulted.add(lane_id)
+
+    def clear_lane_fault(self, lane_id: str) -> None:
+        self._require_lane(lane_id)
+        self._faulted.discard(lane_id)
 
     def drain(self, lane_id: str) -> None:
         self._require_lane(lane_id)
@@ -190,7 +203,11 @@ class Ledger:
         return lane
 
     def _available(self, lane_id: str) -> bool:
-        return lane_id not in self._drained and self._health[lane_id] in ALLOCATABLE_STATES
+        return (
+            lane_id not in self._drained
+            and lane_id not in self._faulted
+            and self._health[lane_id] in ALLOCATABLE_STATES
+        )
 
     def _vram_free(self, lane: Lane) -> int:
         reserved = min(self.vram_headroom, lane.vram_bytes)

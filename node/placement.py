@@ -56,6 +56,8 @@ def _cpu_grant(
         raise ReservationRefused(RefusalReason.INVALID_REQUEST, {"field": "vram_bytes"})
     if ledger.is_drained(cpu.lane_id):
         raise ReservationRefused(RefusalReason.LANE_DRAINED, {"lane_id": cpu.lane_id})
+    if not ledger.available(cpu.lane_id):
+        raise ReservationRefused(RefusalReason.LANE_UNHEALTHY, {"lane_id": cpu.lane_id})
     return LaneGrant(lane_id=cpu.lane_id, kind=cpu.kind, device_id=cpu.device_id, visible_uuid=None)
 
 

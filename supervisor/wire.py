@@ -15,11 +15,13 @@ from node.lanes import Isolation, Requirement
 
 __all__ = [
     "BuiltinWork",
+    "EventKind",
     "GrantedLane",
     "InvocationList",
     "InvocationRequest",
     "InvocationState",
     "InvocationStatus",
+    "NodeEvent",
     "ProcessWork",
     "Resources",
     "SubmitResponse",
@@ -118,3 +120,23 @@ class SubmitResponse(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 class InvocationList(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     invocations: list[InvocationStatus]
+
+
+class EventKind(StrEnum):
+    invocation = "invocation"
+    health = "health"
+    lane = "lane"
+    admission = "admission"
+
+
+class NodeEvent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One state change, as the events stream and the status page see it."""
+
+    kind: EventKind
+    at: str
+    invocation: InvocationStatus | None = None
+    device_id: str | None = None
+    lane_id: str | None = None
+    from_state: str | None = None
+    to_state: str | None = None
+    reasons: list[str] = msgspec.field(default_factory=list)

@@ -238,3 +238,10 @@ def test_a_token_without_footer_has_no_footer_segment() -> None:
     token = paseto.sign(secret, b"{}")
     assert token.count(".") == 2
     assert paseto.verify(token, secret.public_key()) == (b"{}", b"")
+
+
+@pytest.mark.parametrize("pieces", [(b"", b"", b""), (b"{}", b"f", b"i"), (b"x" * 300, b"", b"ia")])
+def test_the_precomputed_pae_of_the_signer_is_the_general_pae(
+    pieces: tuple[bytes, bytes, bytes],
+) -> None:
+    assert paseto._signed_message(*pieces) == paseto.pae(b"v4.public.", *pieces)

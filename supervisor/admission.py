@@ -1,0 +1,73 @@
+"""Admission: checking a submission before anything is allocated, and why it was refused.
+
+Every refusal is an `AdmissionRefused` with a snake_case `reason` and the
+honest HTTP status: 429 (with Retry-After) for load, 409 for a conflict with
+current state (capacity, a reused id), 422 for a request that can never be
+met, 503 while the node is shutting down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from node.ledger import RefusalReason, ReservationRefused
+from supervisor.builtins import BuiltinArgumentError, check_builtin
+from supervisor.process import InvalidProcessRequest, validate_argv, validate_env
+from supervisor.wire import BuiltinWork, InvocationRequest, ProcessWork
+
+__all__ = ["AdmissionRefused", "check_request", "from_reservation_refusal"]
+
+# Capacity that may free up soon is a conflict with the present, not a bad request.
+_CONFLICTS = {
+    RefusalReason.INSUFFICIENT_CPU,
+    RefusalReason.INSUFFICIENT_MEMORY,
+    RefusalReason.INSUFFICIENT_VRAM,
+    RefusalReason.INSUFFICIENT_GPUS,
+    RefusalReason.LANE_UNHEALTHY,
+    RefusalReason.LANE_DRAINED,
+    RefusalReason.DUPLICATE_RESERVATION,
+}
+
+
+class AdmissionRefused(Exception):
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        details: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.details = details or {}
+        self.retry_after = retry_after
+
+
+def check_request(request: InvocationRequest) -> None:
+    """Refuse what cannot run, before a reservation or a token exists."""
+    work = request.work
+    try:
+        if isinstance(work, ProcessWork):
+            validate_argv(work.argv)
+            validate_env(work.env)
+            if work.cwd is not None and ("\0" in work.cwd or not work.cwd.startswith("/")):
+                raise InvalidProcessRequest("cwd", "must be an absolute path")
+        else:
+            assert isinstance(work, BuiltinWork)
+            check_builtin(work.name, work.args)
+    except (InvalidProcessRequest, BuiltinArgumentError) as exc:
+        raise AdmissionRefused(422, "invalid_request", str(exc)) from None
+    if request.resources.gpus > 1 and request.requirement.value == "cpu":
+        raise AdmissionRefused(422, "invalid_request", "a cpu invocation asks for no GPUs")
+
+
+def from_reservation_refusal(refusal: ReservationRefused) -> AdmissionRefused:
+    status = 409 if refusal.reason in _CONFLICTS else 422
+    return AdmissionRefused(
+        status,
+        refusal.reason.value,
+        f"reservation refused: {refusal.reason.value}",
+        refusal.details,
+    )

@@ -1,0 +1,351 @@
+"""The supervisor: admits invocations, runs each as an ephemeral actor, owns the lanes.
+
+Each invocation runs in the supervisor's nursery under its own cancel scope
+with its deadline. Whatever ends it, cleanup runs shielded with its own
+deadline, in this order: the process group is already gone (the executor
+ends it), lane state it held is freed, its tokens are revoked, its
+reservation is released and journaled -- and only then is the terminal
+state recorded and announced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import trio
+
+from capabilities import Isolation as TokenIsolation
+from capabilities import LaneOp, LaneValidator, TokenService
+from capabilities.errors import CapabilityError
+from node.health import HealthState, HealthTransition
+from node.lanes import LaneKind
+from node.ledger import ReservationRefused, ReservationRequest
+from node.machine import Machine
+from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
+from supervisor.events import EventHub
+from supervisor.invocation import Invocation, utc_now
+from supervisor.lane_owner import LaneOwner, LaneWorkError
+from supervisor.lane_work import LaneExecutor, LaneWorkReply, LaneWorkRequest
+from supervisor.lifecycle import TERMINAL, Ending
+from supervisor.runner import run_work
+from supervisor.wire import (
+    EventKind,
+    InvocationRequest,
+    InvocationState,
+    InvocationStatus,
+    NodeEvent,
+    SubmitResponse,
+)
+
+__all__ = ["Supervisor", "UnknownInvocation"]
+
+log = logging.getLogger(__name__)
+GPU_OPS = frozenset({LaneOp.MEMORY_RESERVE, LaneOp.MEMORY_RELEASE, LaneOp.EXECUTE})
+CPU_OPS = frozenset({LaneOp.EXECUTE})
+FAILED_STATES = frozenset({HealthState.UNHEALTHY, HealthState.LOST})
+
+
+class UnknownInvocation(KeyError):
+    pass
+
+
+class Supervisor:
+    def __init__(
+        self,
+        machine: Machine,
+        tokens: TokenService,
+        events: EventHub[NodeEvent],
+        executor: LaneExecutor,
+        *,
+        max_queued: int,
+        max_running: int,
+        node_url: str = "",
+        kill_grace: float = 5.0,
+        cleanup_deadline: float = 30.0,
+        lane_work_deadline: float = 120.0,
+        retain_ended: int = 1024,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.machine = machine
+        self.tokens = tokens
+        self.validator: LaneValidator = tokens.validator()
+        self.events = events
+        self.node_url = node_url
+        self.max_queued = max_queued
+        self.max_running = max_running
+        self.kill_grace = kill_grace
+        self.cleanup_deadline = cleanup_deadline
+        self.lane_work_deadline = lane_work_deadline
+        self._retain = retain_ended
+        self._on_change = on_change
+        self._slots = trio.Semaphore(max_running)
+        self._live: dict[str, Invocation] = {}
+        self._ended: OrderedDict[str, Invocation] = OrderedDict()
+        self.accepting = True
+        self._nursery: trio.Nursery | None = None
+        self.owners = {
+            lane.lane_id: LaneOwner(
+                lane,
+                self.validator,
+                executor,
+                is_live=lambda sub: sub in self._live,
+                on_fault=self._lane_faulted,
+            )
+            for lane in machine.ledger.lanes()
+        }
+
+    # -- running ------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for owner in self.owners.values():
+                nursery.start_soon(owner.run)
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop admitting; give running work `grace` seconds, then cancel the rest and
+        wait (bounded) until everything is released."""
+        self.accepting = False
+        with trio.move_on_after(grace):
+            for inv in list(self._live.values()):
+                await inv.finished.wait()
+        for inv in list(self._live.values()):
+            self._cancel(inv, "shutdown")
+        with trio.move_on_after(self.cleanup_deadline + self.kill_grace):
+            for inv in list(self._live.values()):
+                await inv.finished.wait()
+
+    def background(self, task: Callable[[], Awaitable[None]]) -> None:
+        """Run `task` in the supervisor's nursery (bookkeeping beside an invocation)."""
+        assert self._nursery is not None
+        self._nursery.start_soon(task)
+
+    # -- reading ------------------------------------------------------------------------
+    def get(self, invocation_id: str) -> InvocationStatus:
+        inv = self._live.get(invocation_id) or self._ended.get(invocation_id)
+        if inv is None:
+            raise UnknownInvocation(invocation_id)
+        return inv.status()
+
+    def list(self) -> list[InvocationStatus]:
+        return [inv.status() for inv in (*self._live.values(), *self._ended.values())]
+
+    def counts(self) -> dict[InvocationState, int]:
+        counts = dict.fromkeys(InvocationState, 0)
+        for inv in (*self._live.values(), *self._ended.values()):
+            counts[inv.state] += 1
+        return counts
+
+    # -- admission ----------------------------------------------------------------------
+    async def submit(self, request: InvocationRequest) -> SubmitResponse:
+        existing = self._live.get(request.id) or self._ended.get(request.id)
+        if existing is not None:
+            return await self._resubmitted(existing, request)
+        if not self.accepting or self._nursery is None:
+            raise AdmissionRefused(503, "shutting_down", "the node is not admitting work")
+        waiting = sum(1 for inv in self._live.values() if inv.state is InvocationState.queued)
+        if waiting >= self.max_queued:
+            self._announce_refusal(request.id, "queue_full")
+            raise AdmissionRefused(
+                429, "queue_full", "too many invocations are waiting", retry_after=1.0
+            )
+        try:
+            check_request(request)
+        except AdmissionRefused as refused:
+            self._announce_refusal(request.id, refused.reason)
+            raise
+        inv = Invocation(
+            request, trio.CancelScope(deadline=trio.current_time() + request.timeout_s)
+        )
+        self._live[inv.id] = inv  # claims the id while the reservation is journaled
+        try:
+            await self._admit(inv)
+        except BaseException as exc:
+            del self._live[inv.id]
+            inv.admitted.set()
+            reason = exc.reason if isinstance(exc, AdmissionRefused) else "admission_failed"
+            self._announce_refusal(inv.id, reason)
+            raise
+        inv.admitted.set()
+        self._nursery.start_soon(self._actor, inv)
+        self._announce(inv)
+        return inv.submit_response()
+
+    async def _resubmitted(self, inv: Invocation, request: InvocationRequest) -> SubmitResponse:
+        if msgspec.json.encode(request) != inv.encoded_request:
+            raise AdmissionRefused(
+                409, "id_conflict", f"invocation {request.id} exists with a different request"
+            )
+        with trio.fail_after(self.cleanup_deadline):
+            await inv.admitted.wait()
+        if inv.id not in self._live and inv.id not in self._ended:
+            raise AdmissionRefused(409, "admission_failed", "the first submission was refused")
+        return inv.submit_response()
+
+    async def _admit(self, inv: Invocation) -> None:
+        request = inv.request
+        resources = request.resources
+        try:
+            inv.reservation = await self.machine.reserve(
+                ReservationRequest(
+                    reservation_id=inv.id,
+                    cpu_millis=resources.cpu_millis,
+                    memory_bytes=resources.memory_bytes,
+                    requirement=request.requirement,
+                    isolation=request.isolation,
+                    vram_bytes=resources.vram_bytes,
+                    gpus=max(1, resources.gpus),
+                )
+            )
+        except ReservationRefused as refusal:
+            raise from_reservation_refusal(refusal) from None
+        deadline = time.time() + request.timeout_s
+        try:
+            for grant in inv.reservation.lanes:
+                minted = self.tokens.mint(
+                    invocation_id=inv.id,
+                    lane_id=grant.lane_id,
+                    ops=CPU_OPS if grant.kind is LaneKind.CPU else GPU_OPS,
+                    vram_bytes=grant.vram_bytes,
+                    isolation=TokenIsolation(request.isolation.value),
+                    deadline=deadline,
+                )
+                inv.tokens[grant.lane_id] = minted.token
+        except CapabilityError as exc:
+            with trio.CancelScope(shield=True):
+                self._revoke(inv)
+                await self.machine.release(inv.id)
+            raise AdmissionRefused(503, "token_unavailable", str(exc)) from None
+
+    # -- cancelling ---------------------------------------------------------------------
+    async def cancel(self, invocation_id: str) -> InvocationStatus:
+        """Cancel and answer only once everything the invocation held is released."""
+        inv = self._live.get(invocation_id)
+        if inv is None:
+            return self.get(invocation_id)
+        self._cancel(inv, "cancel_requested")
+        with trio.fail_after(self.cleanup_deadline + self.kill_grace + 5):
+            await inv.finished.wait()
+        return inv.status()
+
+    def _cancel(self, inv: Invocation, reason: str) -> None:
+        if inv.cancel_reason is None:
+            inv.cancel_reason = reason
+        inv.scope.cancel()
+
+    def on_health(self, event: HealthTransition) -> None:
+        """Health coupling: work on a failed device is cancelled with `lane_unhealthy`."""
+        if event.to_state in FAILED_STATES:
+            for inv in list(self._live.values()):
+                if inv.reservation and any(
+                    g.device_id == event.device_id for g in inv.reservation.lanes
+                ):
+                    self._cancel(inv, "lane_unhealthy")
+        self.events.publish(
+            NodeEvent(
+                kind=EventKind.health,
+                at=utc_now(),
+                device_id=event.device_id,
+                from_state=event.from_state.value,
+                to_state=event.to_state.value,
+                reasons=list(event.reasons),
+            )
+        )
+        self._on_change()
+
+    def _lane_faulted(self, lane_id: str) -> None:
+        self.machine.ledger.fault_lane(lane_id)
+        for inv in list(self._live.values()):
+            if inv.reservation and any(g.lane_id == lane_id for g in inv.reservation.lanes):
+                self._cancel(inv, "lane_unhealthy")
+        self.events.publish(
+            NodeEvent(kind=EventKind.lane, at=utc_now(), lane_id=lane_id, to_state="unhealthy")
+        )
+        self._on_change()
+
+    # -- the actor ----------------------------------------------------------------------
+    async def _actor(self, inv: Invocation) -> None:
+        ending: Ending | None = None
+        try:
+            with inv.scope:
+                async with self._slots:
+                    inv.advance(Ending.start)
+                    self._announce(inv)
+                    inv.exit_code = await run_work(self, inv)
+                ending = Ending.succeed if inv.exit_code == 0 else Ending.fail
+                inv.reason = None if inv.exit_code == 0 else "nonzero_exit"
+        except Exception as exc:
+            ending, inv.reason = Ending.fail, f"{type(exc).__name__}: {exc}"[:500]
+        except BaseException:
+            ending, inv.reason = Ending.cancel, inv.cancel_reason or "shutdown"
+            raise
+        finally:
+            if ending is None:  # the scope caught a cancel: a request, a fault or the deadline
+                ending = Ending.cancel if inv.cancel_reason else Ending.timeout
+                inv.reason = inv.cancel_reason or "deadline_exceeded"
+            with trio.move_on_after(self.cleanup_deadline, shield=True) as cleanup:
+                await self._release(inv)
+            if cleanup.cancelled_caught:
+                log.error("cleanup of %s overran %ss", inv.id, self.cleanup_deadline)
+            inv.advance(ending)
+            self._retire(inv)
+            self._announce(inv)
+            inv.finished.set()
+
+    async def _release(self, inv: Invocation) -> None:
+        for grant in inv.reservation.lanes if inv.reservation else ():
+            owner = self.owners.get(grant.lane_id)
+            if owner is not None:
+                owner.free_invocation(inv.id)
+        self._revoke(inv)
+        await self.machine.release(inv.id)
+        if inv.pid is not None:
+            with trio.move_on_after(self.kill_grace):
+                await inv.pid_recorded.wait()
+            await self.machine.process_ended(inv.id, inv.pid)
+
+    def _revoke(self, inv: Invocation) -> None:
+        try:
+            self.tokens.revoke_invocation(inv.id)
+        except CapabilityError:
+            # The deny list is full: the tokens stay valid until they expire. Loud.
+            log.error("could not revoke the tokens of %s: deny list full", inv.id)
+
+    def _retire(self, inv: Invocation) -> None:
+        self._live.pop(inv.id, None)
+        self._ended[inv.id] = inv
+        while len(self._ended) > self._retain:
+            self._ended.popitem(last=False)
+
+    def _announce(self, inv: Invocation) -> None:
+        self.events.publish(
+            NodeEvent(kind=EventKind.invocation, at=utc_now(), invocation=inv.status())
+        )
+        self._on_change()
+
+    def _announce_refusal(self, invocation_id: str, reason: str) -> None:
+        self.events.publish(
+            NodeEvent(
+                kind=EventKind.admission,
+                at=utc_now(),
+                to_state=InvocationState.rejected.value,
+                reasons=[f"{invocation_id}: {reason}"],
+            )
+        )
+
+    # -- lane work ----------------------------------------------------------------------
+    async def lane_work(self, lane_id: str, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+        owner = self.owners.get(lane_id)
+        if owner is None:
+            raise LaneWorkError(404, "unknown_lane", "no such lane")
+        with trio.fail_after(self.lane_work_deadline):
+            return await owner.request(token, work)
+
+    def is_terminal(self, invocation_id: str) -> bool:
+        inv = self._live.get(invocation_id) or self._ended.get(invocation_id)
+        return inv is None or inv.state in TERMINAL

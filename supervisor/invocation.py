@@ -1,0 +1,93 @@
+"""One invocation's record: what was asked, what it holds, where it stands."""
+
+from __future__ import annotations
+
+import datetime
+
+import msgspec
+import trio
+
+from node.ledger import Reservation
+from supervisor.lifecycle import Ending, next_state
+from supervisor.output import OutputRing
+from supervisor.wire import (
+    GrantedLane,
+    InvocationRequest,
+    InvocationState,
+    InvocationStatus,
+    SubmitResponse,
+)
+
+__all__ = ["Invocation", "utc_now"]
+
+OUTPUT_BYTES = 64 * 1024
+TAIL_CHARS = 4096
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+
+
+class Invocation:
+    """Mutable, owned by the supervisor; everything outside sees `status()`."""
+
+    def __init__(self, request: InvocationRequest, scope: trio.CancelScope) -> None:
+        self.request = request
+        self.scope = scope
+        self.state = InvocationState.queued
+        self.reason: str | None = None
+        self.cancel_reason: str | None = None  # set by whoever asked for the cancel
+        self.reservation: Reservation | None = None
+        self.tokens: dict[str, str] = {}
+        self.exit_code: int | None = None
+        self.pid: int | None = None
+        self.submitted_at = utc_now()
+        self.started_at: str | None = None
+        self.ended_at: str | None = None
+        self.stdout = OutputRing(OUTPUT_BYTES)
+        self.stderr = OutputRing(OUTPUT_BYTES)
+        self.admitted = trio.Event()  # set once admission succeeded or failed
+        self.finished = trio.Event()  # set once released and terminal
+        self.pid_recorded = trio.Event()
+        self.encoded_request = msgspec.json.encode(request)
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def advance(self, ending: Ending) -> InvocationState:
+        self.state = next_state(self.state, ending)
+        if ending is Ending.start:
+            self.started_at = utc_now()
+        else:
+            self.ended_at = utc_now()
+        return self.state
+
+    def lanes(self) -> list[GrantedLane]:
+        if self.reservation is None:
+            return []
+        return [
+            GrantedLane(lane_id=g.lane_id, kind=g.kind.value, vram_bytes=g.vram_bytes)
+            for g in self.reservation.lanes
+        ]
+
+    def status(self) -> InvocationStatus:
+        return InvocationStatus(
+            id=self.id,
+            state=self.state,
+            reason=self.reason,
+            requirement=self.request.requirement,
+            isolation=self.request.isolation,
+            lanes=self.lanes(),
+            exit_code=self.exit_code,
+            submitted_at=self.submitted_at,
+            started_at=self.started_at,
+            ended_at=self.ended_at,
+            stdout_tail=self.stdout.text()[-TAIL_CHARS:],
+            stderr_tail=self.stderr.text()[-TAIL_CHARS:],
+        )
+
+    def submit_response(self) -> SubmitResponse:
+        return SubmitResponse(
+            id=self.id, state=self.state, lanes=self.lanes(), tokens=dict(self.tokens)
+        )

@@ -1,0 +1,218 @@
+"""Lane owners: one trio task per lane owns that lane's mutable state.
+
+Work reaches an owner through a bounded channel; a full channel refuses at
+once (`LaneBusy`, 429 at the edge). Before any work the owner validates the
+presented capability token for this lane, the operation and the VRAM the
+invocation would then hold. An owner that crashes is restarted; more than
+`max_restarts` crashes within `window` seconds fault the lane (it leaves
+allocatable) and its pending work is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import trio
+
+from capabilities import LaneOp, LaneValidator, TokenRefused
+from node.lanes import Lane
+from supervisor.lane_work import (
+    Execute,
+    KernelError,
+    LaneExecutor,
+    LaneWorkReply,
+    LaneWorkRequest,
+    MemoryRelease,
+    MemoryReserve,
+)
+
+__all__ = ["LaneBusy", "LaneOwner", "LaneWorkError"]
+
+log = logging.getLogger(__name__)
+
+_OPS = {MemoryReserve: LaneOp.MEMORY_RESERVE, MemoryRelease: LaneOp.MEMORY_RELEASE}
+
+
+class LaneWorkError(Exception):
+    """Lane work refused or failed; `status` is the honest HTTP status."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class LaneBusy(LaneWorkError):
+    def __init__(self, lane_id: str) -> None:
+        super().__init__(429, "lane_busy", f"lane {lane_id} has too much work queued")
+
+
+@dataclasses.dataclass
+class _Job:
+    token: str
+    work: LaneWorkRequest
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    reply: LaneWorkReply | None = None
+    error: Exception | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Buffer:
+    invocation_id: str
+    nbytes: int
+
+
+class LaneOwner:
+    def __init__(
+        self,
+        lane: Lane,
+        validator: LaneValidator,
+        executor: LaneExecutor,
+        *,
+        is_live: Callable[[str], bool],
+        on_fault: Callable[[str], None],
+        queue_size: int = 64,
+        max_buffers: int = 4096,
+        max_restarts: int = 5,
+        window: float = 60.0,
+    ) -> None:
+        self.lane = lane
+        self._validator = validator
+        self._executor = executor
+        self._is_live = is_live
+        self._on_fault = on_fault
+        self._send, self._receive = trio.open_memory_channel[_Job](queue_size)
+        self._buffers: dict[str, _Buffer] = {}
+        self._held: dict[str, int] = {}
+        self._max_buffers = max_buffers
+        self._max_restarts = max_restarts
+        self._window = window
+        self.restarts: deque[float] = deque(maxlen=max_restarts + 1)
+        self.faulted = False
+
+    # -- what other tasks call ------------------------------------------------------
+    async def request(self, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+        """Queue work (never waiting for room) and wait for its reply; the caller
+        bounds the wait with its own deadline."""
+        if self.faulted:
+            raise LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
+        job = _Job(token, work)
+        try:
+            self._send.send_nowait(job)
+        except trio.WouldBlock:
+            raise LaneBusy(self.lane.lane_id) from None
+        await job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.reply is not None
+        return job.reply
+
+    def held_by(self, invocation_id: str) -> int:
+        return self._held.get(invocation_id, 0)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._held.values())
+
+    def free_invocation(self, invocation_id: str) -> int:
+        """Drop every buffer of an ended invocation; synchronous so cleanup cannot skip it."""
+        freed = self._held.pop(invocation_id, 0)
+        for buffer_id in [
+            b for b, buf in self._buffers.items() if buf.invocation_id == invocation_id
+        ]:
+            del self._buffers[buffer_id]
+        return freed
+
+    # -- the owner task ---------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve until cancelled, restarting after a crash with bounded intensity."""
+        while True:
+            try:
+                await self._serve()
+            except Exception:
+                log.exception("lane owner %s crashed", self.lane.lane_id)
+                now = trio.current_time()
+                self.restarts.append(now)
+                recent = [t for t in self.restarts if now - t <= self._window]
+                if len(recent) > self._max_restarts:
+                    self._fault()
+                    return
+
+    def _fault(self) -> None:
+        self.faulted = True
+        self._on_fault(self.lane.lane_id)
+        while True:  # refuse what is still queued: nobody will serve it
+            try:
+                job = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                return
+            job.error = LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
+            job.done.set()
+
+    async def _serve(self) -> None:
+        while True:
+            job = await self._receive.receive()
+            try:
+                job.reply = await self._handle(job.token, job.work)
+            except (LaneWorkError, TokenRefused) as exc:
+                job.error = exc
+            except KernelError as exc:
+                status = 503 if exc.code == "lane_unhealthy" else 422
+                job.error = LaneWorkError(status, exc.code, str(exc))
+            except BaseException:
+                job.error = LaneWorkError(500, "lane_owner_crashed", "the lane owner failed")
+                raise
+            finally:
+                job.done.set()
+
+    async def _handle(self, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+        lane_id = self.lane.lane_id
+        op = _OPS.get(type(work), LaneOp.EXECUTE)
+        claims = self._validator.validate(token, lane_id=lane_id, op=op)
+        sub = claims.sub
+        held = self._held.get(sub, 0)
+        if isinstance(work, MemoryReserve):  # the budget covers what it would then hold
+            self._validator.validate(token, lane_id=lane_id, op=op, vram_bytes=held + work.bytes)
+        if not self._is_live(sub):
+            raise LaneWorkError(409, "invocation_not_live", "the invocation has ended")
+        reply = LaneWorkReply(op=op.value, lane_id=lane_id, invocation_id=sub, bytes_held=held)
+        if isinstance(work, MemoryReserve):
+            return self._reserve(reply, work.bytes)
+        if isinstance(work, MemoryRelease):
+            return self._release(reply, work.buffer_id)
+        assert isinstance(work, Execute)
+        result = await self._executor.execute(self.lane, work.kernel, work.args)
+        return _replace(reply, result=result)
+
+    def _reserve(self, reply: LaneWorkReply, nbytes: int) -> LaneWorkReply:
+        lane_free = self.lane.vram_bytes - self.used_bytes
+        if nbytes > lane_free:
+            raise LaneWorkError(409, "insufficient_vram", f"the lane has {lane_free} bytes free")
+        if len(self._buffers) >= self._max_buffers:
+            raise LaneWorkError(429, "too_many_buffers", "the lane holds too many buffers")
+        buffer_id = "buf_" + secrets.token_hex(16)
+        self._buffers[buffer_id] = _Buffer(reply.invocation_id, nbytes)
+        self._held[reply.invocation_id] = reply.bytes_held + nbytes
+        return _replace(reply, buffer_id=buffer_id, bytes_held=reply.bytes_held + nbytes)
+
+    def _release(self, reply: LaneWorkReply, buffer_id: str) -> LaneWorkReply:
+        buffer = self._buffers.get(buffer_id)
+        # Another invocation's buffer looks exactly like a missing one.
+        if buffer is None or buffer.invocation_id != reply.invocation_id:
+            raise LaneWorkError(404, "buffer_not_found", "no such buffer for this invocation")
+        del self._buffers[buffer_id]
+        held = reply.bytes_held - buffer.nbytes
+        if held:
+            self._held[reply.invocation_id] = held
+        else:
+            self._held.pop(reply.invocation_id, None)
+        return _replace(reply, buffer_id=buffer_id, bytes_held=held)
+
+
+def _replace(reply: LaneWorkReply, **changes: object) -> LaneWorkReply:
+    return msgspec.structs.replace(reply, **changes)

@@ -1,0 +1,65 @@
+"""Runs an admitted invocation's work: a registered builtin or a process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from node.lanes import LaneKind
+from supervisor.builtins import BUILTINS
+from supervisor.invocation import Invocation
+from supervisor.process import ProcessSpec, run_process
+from supervisor.wire import BuiltinWork, ProcessWork
+
+if TYPE_CHECKING:
+    from supervisor.core import Supervisor
+
+__all__ = ["process_spec", "run_work"]
+
+
+def process_spec(sup: Supervisor, inv: Invocation, work: ProcessWork) -> ProcessSpec:
+    reservation = inv.reservation
+    assert reservation is not None
+    lane_ids = [g.lane_id for g in reservation.lanes]
+    gpu = any(g.kind is not LaneKind.CPU for g in reservation.lanes)
+    return ProcessSpec(
+        argv=tuple(work.argv),
+        env=work.env,
+        cwd=work.cwd,
+        extra_env={
+            # One token per lane, in the order of LITEGRAPH_LANE_IDS.
+            "LITEGRAPH_CAPABILITY_TOKEN": ",".join(inv.tokens[lane] for lane in lane_ids),
+            "LITEGRAPH_LANE_IDS": ",".join(lane_ids),
+            "LITEGRAPH_NODE_URL": sup.node_url,
+        },
+        visible_devices=reservation.visible_devices,
+        memory_limit_bytes=inv.request.resources.memory_bytes or None,
+        cpu_only=not gpu,
+        cgroup_name=inv.id,
+    )
+
+
+async def run_work(sup: Supervisor, inv: Invocation) -> int:
+    work = inv.request.work
+    if isinstance(work, BuiltinWork):
+        return await BUILTINS[work.name](work.args, inv.stdout)
+    assert isinstance(work, ProcessWork)
+
+    def started(pid: int, start_time: float) -> None:
+        inv.pid = pid
+
+        async def record() -> None:
+            try:
+                await sup.machine.process_started(inv.id, pid, start_time)
+            finally:
+                inv.pid_recorded.set()
+
+        # Journaled beside the run; cleanup waits for it before journaling the end.
+        sup.background(record)
+
+    return await run_process(
+        process_spec(sup, inv, work),
+        stdout=inv.stdout,
+        stderr=inv.stderr,
+        on_started=started,
+        kill_grace=sup.kill_grace,
+    )
