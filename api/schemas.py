@@ -13,9 +13,27 @@ from typing import Any
 import msgspec
 
 from api.errors import ErrorEnvelope
+from api.openapi import openapi_document
+from api.wire import DrainReply
+from capabilities import Claims
 from node.config import Config
+from node.snapshot import NodeSnapshot
+from supervisor.lane_work import LaneWorkReply, LaneWorkRequest
+from supervisor.wire import (
+    InvocationList,
+    InvocationRequest,
+    InvocationStatus,
+    NodeEvent,
+    SubmitResponse,
+)
 
-__all__ = ["CONTRACTS_DIR", "PUBLIC_TYPES", "check_contracts", "render_contracts"]
+__all__ = [
+    "CONTRACTS_DIR",
+    "PUBLIC_TYPES",
+    "check_contracts",
+    "render_contracts",
+    "write_contracts",
+]
 
 CONTRACTS_DIR = pathlib.Path(__file__).resolve().parent / "contracts"
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -25,7 +43,18 @@ ID_BASE = "https://schemas.litegraph.dev/node/"
 PUBLIC_TYPES: dict[str, Any] = {
     "error_envelope": ErrorEnvelope,
     "config": Config,
+    "node_snapshot": NodeSnapshot,
+    "invocation_request": InvocationRequest,
+    "submit_response": SubmitResponse,
+    "invocation_status": InvocationStatus,
+    "invocation_list": InvocationList,
+    "lane_work_request": LaneWorkRequest,
+    "lane_work_reply": LaneWorkReply,
+    "drain_reply": DrainReply,
+    "node_event": NodeEvent,
+    "capability_claims": Claims,
 }
+OPENAPI_FILE = "openapi.json"
 
 
 def _schema_for(name: str, wire_type: Any) -> dict[str, Any]:
@@ -34,11 +63,13 @@ def _schema_for(name: str, wire_type: Any) -> dict[str, Any]:
 
 
 def render_contracts() -> dict[str, str]:
-    """File name -> file text, for every public wire type."""
-    return {
+    """File name -> file text, for every public wire type and the OpenAPI document."""
+    files = {
         f"{name}.schema.json": json.dumps(_schema_for(name, t), indent=2, sort_keys=True) + "\n"
         for name, t in PUBLIC_TYPES.items()
     }
+    files[OPENAPI_FILE] = json.dumps(openapi_document(), indent=2, sort_keys=True) + "\n"
+    return files
 
 
 def write_contracts(directory: pathlib.Path = CONTRACTS_DIR) -> list[str]:

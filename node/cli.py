@@ -6,6 +6,7 @@ naming the flag; everything else about options comes from `.cli-flags.toml`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -13,6 +14,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import httpx
+import msgspec
 import trio
 
 from node.config import Config, build_config
@@ -34,7 +37,9 @@ USAGE = f"usage: {PROG} [options] COMMAND [command options] [-- ARGS]"
 COMMANDS = {
     "serve": "run the node daemon",
     "dev": "workstation mode: the daemon in one process on loopback",
-    "contracts": "write (or --check) the JSON Schemas in api/contracts/",
+    "snapshot": "discover once, print a NodeSnapshot as JSON, exit",
+    "run": "run -- CMD ...: submit a process to the local node and follow it",
+    "contracts": "write (or --check) the JSON Schemas and OpenAPI in api/contracts/",
 }
 log = logging.getLogger(__name__)
 
@@ -58,34 +63,102 @@ def _dev_state_dir() -> str:
     return str(pathlib.Path(base) / "litegraph-node")
 
 
-def _cmd_serve(inv: Invocation) -> int:
-    from node.daemon import Daemon
+def _run_daemon(config: Config, *, dev: bool) -> int:
+    from node.daemon import Daemon, StartupError
 
-    configure_logging(inv.config.log_level, inv.config.log_format)
-    trio.run(Daemon(inv.config).run)
+    configure_logging(config.log_level, config.log_format)
+    daemon = Daemon(config, dev=dev)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(daemon.run)
+            if dev:
+                _announce_dev(url, daemon)
+
+    try:
+        trio.run(main)
+    except StartupError as exc:
+        print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _announce_dev(url: str, daemon: Any) -> None:
+    from api.auth import load_auth
+
+    secret = load_auth(daemon.auth_path).scheduler
+    print(f"\n{PROG} dev: listening on {url}", file=sys.stderr)
+    print(f"  status page:  {url}/#token={secret}", file=sys.stderr)
+    print(f"  token file:   {daemon.auth_path} (scheduler and admin secrets)", file=sys.stderr)
+    print(f"  state folder: {daemon.config.state_dir}", file=sys.stderr)
+    print(f"  try:          {PROG} run -- sleep 2", file=sys.stderr)
+    print("  Ctrl-C stops (a second Ctrl-C stops at once)\n", file=sys.stderr, flush=True)
+
+
+def _local_config(inv: Invocation) -> Config:
+    """`dev` and `run` share a state folder under the user's home unless told otherwise."""
+    if "state_dir" in inv.explicit:
+        return inv.config
+    return msgspec.structs.replace(inv.config, state_dir=_dev_state_dir())
+
+
+def _cmd_serve(inv: Invocation) -> int:
+    return _run_daemon(inv.config, dev=False)
 
 
 def _cmd_dev(inv: Invocation) -> int:
-    import msgspec
+    return _run_daemon(_local_config(inv), dev=True)
 
-    from node.daemon import Daemon
+
+def _cmd_snapshot(inv: Invocation) -> int:
+    from node.discovery import DiscoveryError
+    from node.machine import snapshot_once
 
     config = inv.config
-    if "state_dir" not in inv.explicit:
-        config = msgspec.structs.replace(config, state_dir=_dev_state_dir())
     configure_logging(config.log_level, config.log_format)
-    daemon = Daemon(config)
-
-    async def announce_and_run() -> None:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(daemon.run)
-            print(f"litegraph-node dev: listening on {url}", file=sys.stderr, flush=True)
-            print(f"  state: {config.state_dir}", file=sys.stderr, flush=True)
-            print("  press Ctrl-C to stop", file=sys.stderr, flush=True)
-
-    trio.run(announce_and_run)
+    try:
+        snapshot = trio.run(
+            functools.partial(
+                snapshot_once,
+                node_id=config.node_id,
+                devices=config.devices.value,
+                sim_file=pathlib.Path(config.sim_file) if config.sim_file else None,
+                reserved_cpu_millis=config.reserved_cpu,
+                reserved_memory_bytes=config.reserved_memory,
+                vram_headroom_bytes=config.vram_headroom,
+                fatal_xids=frozenset(config.fatal_xids),
+            )
+        )
+    except DiscoveryError as exc:
+        print(f"{PROG} snapshot: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(snapshot)).decode() + "\n")
     return 0
+
+
+def _cmd_run(inv: Invocation) -> int:
+    from api.auth import AuthError, load_auth
+    from api.run_client import follow_command
+
+    config = _local_config(inv)
+    auth_path = pathlib.Path(config.auth_file or pathlib.Path(config.state_dir) / "auth.json")
+    try:
+        secret = load_auth(auth_path).scheduler
+    except AuthError as exc:
+        print(f"{PROG} run: {exc} (is `{PROG} dev` running?)", file=sys.stderr)
+        return 1
+    url = inv.options.get("url") or f"http://{config.listen}"
+    try:
+        return trio.run(
+            functools.partial(
+                follow_command, url, secret, inv.positional, timeout_s=inv.options["timeout"]
+            )
+        )
+    except KeyboardInterrupt:
+        return 130
+    except httpx.HTTPError as exc:
+        print(f"{PROG} run: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _cmd_contracts(inv: Invocation) -> int:
@@ -104,6 +177,8 @@ def _cmd_contracts(inv: Invocation) -> int:
 HANDLERS: dict[str, Callable[[Invocation], int]] = {
     "serve": _cmd_serve,
     "dev": _cmd_dev,
+    "snapshot": _cmd_snapshot,
+    "run": _cmd_run,
     "contracts": _cmd_contracts,
 }
 
@@ -127,6 +202,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             raise FlagError(f"missing command (one of: {', '.join(COMMANDS)})")
         if inv.positional and inv.command != "run":
             raise FlagError(f"unexpected argument {inv.positional[0]!r}")
+        if inv.command == "run" and not inv.positional:
+            raise FlagError("run: give the command after --, e.g. run -- sleep 2")
     except FlagError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

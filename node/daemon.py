@@ -1,36 +1,108 @@
 """The composition root: builds every component from the Config and runs them
-in one trio nursery until a signal or an explicit stop asks for shutdown."""
+in one trio nursery until a signal or an explicit stop asks for shutdown.
+
+Start-up order: the HTTP server first (probes answer while the rest starts),
+then keys, discovery, journal recovery, the supervisor and its lane owners,
+the health monitor and telemetry. /readyz turns 200 once all are done.
+Shutdown: stop admitting, give running work `--shutdown-grace`, cancel the
+rest, release everything, close the journal.
+"""
 
 from __future__ import annotations
 
 import logging
+import pathlib
 import signal
 import threading
+from typing import Any
 
 import trio
 
 from api.app import create_app
+from api.auth import Authenticator, AuthError, AuthFile, load_or_create_auth
+from api.context import NodeContext
+from api.metrics import NodeMetrics
 from api.server import serve_http
-from node.config import Config
+from api.snapshot_cache import SnapshotCache
+from api.telemetry import TelemetryPusher
+from capabilities import CapabilityError, KeyRing, TokenService
+from capabilities.securefile import SecretFileError
+from node.config import Config, DeviceMode
+from node.health import HealthTransition
+from node.journal import JournalError
+from node.machine import Machine
+from node.monitor import probe_once
 from node.readiness import Readiness
 from node.sdnotify import notify
+from supervisor.core import Supervisor
+from supervisor.events import EventHub
+from supervisor.lane_work import SimulatedExecutor
+from supervisor.wire import NodeEvent
 
-__all__ = ["Daemon"]
+__all__ = ["Daemon", "StartupError"]
 
 log = logging.getLogger(__name__)
-# Hypercorn's graceful window plus margin: past it everything is cancelled.
-SHUTDOWN_DEADLINE = 15.0
+# Past this, whatever has not stopped after the grace period is cancelled.
+SHUTDOWN_MARGIN = 15.0
+EVENT_SUBSCRIBERS = 32
+EVENT_BUFFER = 256
+
+
+class StartupError(Exception):
+    """The daemon cannot start (unsafe key/auth/journal file, bad sim file); exit 1."""
+
+
+def fresh_signing_key(state_dir: pathlib.Path) -> KeyRing:
+    """Open the key ring with a new signing key and every older key retired.
+
+    Invocations do not survive a restart, so no token minted before it may
+    verify after it: retiring the old keys refuses them all at once.
+    """
+    keyring = KeyRing.open(state_dir)
+    keyring.rotate()
+    for kid in keyring.kids():
+        if kid != keyring.active_kid:
+            keyring.retire(kid)
+    return keyring
+
+
+def open_secrets(
+    state_dir: pathlib.Path, auth_path: pathlib.Path
+) -> tuple[AuthFile, bool, KeyRing]:
+    """The operator secrets and the key ring; StartupError names an unsafe file."""
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        auth, created = load_or_create_auth(auth_path)
+        return auth, created, fresh_signing_key(state_dir)
+    except (OSError, AuthError, CapabilityError, SecretFileError) as exc:
+        raise StartupError(str(exc)) from exc
 
 
 class Daemon:
     """One node daemon. `await nursery.start(daemon.run)` returns the bound URL."""
 
-    def __init__(self, config: Config, *, handle_signals: bool = True) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        handle_signals: bool = True,
+        dev: bool = False,
+        pynvml_module: Any = None,
+    ) -> None:
         self.config = config
+        self.dev = dev
         self.stop = trio.Event()
-        self.readiness = Readiness(("http",))
+        self.readiness = Readiness(("http", "keys", "discovery", "journal", "supervisor"))
+        self.context = NodeContext(config=config, readiness=self.readiness, metrics=NodeMetrics())
         self.url = ""
+        self.auth_path = pathlib.Path(
+            config.auth_file or pathlib.Path(config.state_dir) / "auth.json"
+        )
+        self.machine: Machine | None = None
+        self.supervisor: Supervisor | None = None
+        self.telemetry: TelemetryPusher | None = None
         self._handle_signals = handle_signals
+        self._pynvml = pynvml_module
 
     async def _watch_signals(self, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -43,20 +115,132 @@ class Daemon:
                 self.stop.set()
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        app = create_app(self.readiness)
+        app = create_app(self.context)
         async with trio.open_nursery() as outer:
             if self._handle_signals and threading.current_thread() is threading.main_thread():
                 await outer.start(self._watch_signals)
-            async with trio.open_nursery() as components:
-                addresses = await components.start(serve_http, app, self.config.listen, self.stop)
-                self.url = addresses[0]
-                self.readiness.done("http")
-                log.info("listening on %s", self.url)
-                notify("READY=1")
-                task_status.started(self.url)
-                await self.stop.wait()
-                notify("STOPPING=1")
-                # Components stop by `stop`; past this deadline they are cancelled.
-                components.cancel_scope.deadline = trio.current_time() + SHUTDOWN_DEADLINE
+            try:
+                async with trio.open_nursery() as components:
+                    addresses = await components.start(
+                        serve_http, app, self.config.listen, self.stop
+                    )
+                    self.url = addresses[0]
+                    self.readiness.done("http")
+                    log.info("listening on %s", self.url)
+                    await self._start_components(components)
+                    notify("READY=1")
+                    task_status.started(self.url)
+                    await self.stop.wait()
+                    notify("STOPPING=1")
+                    components.cancel_scope.deadline = (
+                        trio.current_time() + self.config.shutdown_grace + SHUTDOWN_MARGIN
+                    )
+                    if self.supervisor is not None:
+                        await self.supervisor.shutdown(self.config.shutdown_grace)
+                    components.cancel_scope.cancel()
+            finally:
+                with trio.move_on_after(10, shield=True):
+                    if self.machine is not None:
+                        await self.machine.aclose()
             outer.cancel_scope.cancel()  # the signal watcher never ends by itself
         log.info("stopped")
+
+    async def _start_components(self, nursery: trio.Nursery) -> None:
+        config = self.config
+        state_dir = pathlib.Path(config.state_dir)
+        auth, created, keyring = open_secrets(state_dir, self.auth_path)
+        if created:
+            log.info("created operator secrets in %s (mode 0600)", self.auth_path)
+        self.context.auth = Authenticator(auth)
+        self.readiness.done("keys")
+        self.machine = machine = await self._open_machine(state_dir)
+        self.readiness.done("discovery")
+        self.readiness.done("journal")
+        for reason in machine.inventory.readiness_reasons:
+            # Only an operator who demanded NVML is not ready without it.
+            if config.devices is DeviceMode.nvml:
+                self.readiness.block("devices", reason)
+            else:
+                self.readiness.note("devices", reason)
+        snapshots = SnapshotCache(machine.snapshot)
+        events: EventHub[NodeEvent] = EventHub(EVENT_SUBSCRIBERS, EVENT_BUFFER)
+        tokens = TokenService(machine.node_id, keyring, ttl=config.token_ttl)
+        self.supervisor = supervisor = Supervisor(
+            machine,
+            tokens,
+            events,
+            SimulatedExecutor(machine.ledger.available),
+            max_queued=config.max_queued,
+            max_running=config.max_running,
+            node_url=self.url,
+            on_change=snapshots.mark_changed,
+        )
+        await nursery.start(supervisor.run)
+        self.context.snapshots = snapshots
+        self.context.events = events
+        self.context.supervisor = supervisor
+        self.context.metrics.snapshot = snapshots.current
+        self.context.metrics.invocation_counts = supervisor.counts
+        self.readiness.done("supervisor")
+        nursery.start_soon(self._probe_devices, snapshots)
+        if config.scheduler_url:
+            self.telemetry = TelemetryPusher(
+                config.scheduler_url,
+                config.telemetry_interval,
+                snapshots.encoded,
+                node_id=machine.node_id,
+            )
+            await nursery.start(self.telemetry.run)
+
+    async def _open_machine(self, state_dir: pathlib.Path) -> Machine:
+        config = self.config
+        devices = config.devices.value
+        if self.dev and config.devices is DeviceMode.auto:
+            devices = "workstation"
+        try:
+            return await Machine.open(
+                node_id=config.node_id,
+                devices=devices,
+                sim_file=pathlib.Path(config.sim_file) if config.sim_file else None,
+                state_dir=state_dir,
+                reserved_cpu_millis=config.reserved_cpu,
+                reserved_memory_bytes=config.reserved_memory,
+                vram_headroom_bytes=config.vram_headroom,
+                fatal_xids=frozenset(config.fatal_xids),
+                recovery_probes=config.recovery_probes,
+                on_transition=self._on_transition,
+                pynvml_module=self._pynvml,
+            )
+        except (OSError, ValueError, JournalError) as exc:
+            raise StartupError(str(exc)) from exc
+
+    def _on_transition(self, event: HealthTransition) -> None:
+        log.info(
+            "device %s: %s -> %s (%s)",
+            event.device_id,
+            event.from_state.value,
+            event.to_state.value,
+            "; ".join(event.reasons),
+        )
+        if self.supervisor is not None:
+            self.supervisor.on_health(event)
+        if self.context.snapshots is not None:
+            self.context.snapshots.mark_changed()
+        if self.telemetry is not None:
+            self.telemetry.nudge()
+
+    async def _probe_devices(self, snapshots: SnapshotCache) -> None:
+        machine = self.machine
+        assert machine is not None
+        source = machine.inventory.source
+        if source is None:
+            return
+        while True:
+            await probe_once(
+                source,
+                machine.health,
+                probe_timeout=max(1.0, self.config.health_interval * 2),
+                ledger=machine.ledger,
+            )
+            snapshots.mark_changed()  # temperatures and readings move every probe
+            await trio.sleep(self.config.health_interval)

@@ -13,6 +13,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from node.discovery_host import discover_host
@@ -22,7 +23,8 @@ from node.inventory import Inventory
 
 __all__ = ["MODES", "DiscoveryError", "discover"]
 
-MODES = ("auto", "nvml", "sim", "none")
+# `workstation` is what `dev` uses: NVML when it shows GPUs, else the simulated workstation.
+MODES = ("auto", "nvml", "sim", "none", "workstation")
 
 
 class DiscoveryError(ValueError):
@@ -46,6 +48,21 @@ async def discover(
     (when not None) gives later readings and must be closed with `aclose()`."""
     if mode not in MODES:
         raise DiscoveryError(f"unknown devices mode {mode!r}; expected one of {', '.join(MODES)}")
+    if mode == "workstation":
+        found = await discover(
+            "auto",
+            pynvml_module=pynvml_module,
+            sys_root=sys_root,
+            proc_root=proc_root,
+            nvml_call_timeout=nvml_call_timeout,
+        )
+        if found.gpus:
+            return found
+        simulated = await discover("sim", sim_file=sim_file, sys_root=sys_root, proc_root=proc_root)
+        why = "; ".join(found.readiness_reasons) or "no GPUs"
+        return msgspec.structs.replace(
+            simulated, notes=(*simulated.notes, f"simulated workstation ({why})")
+        )
     # /proc and /sys reads are local and quick; no thread hop needed.
     host = discover_host(sys_root=sys_root, proc_root=proc_root)
     await trio.lowlevel.checkpoint()

@@ -29,10 +29,70 @@ from node.monitor import monitor_devices, sync_ledger
 from node.reconcile import ReconcileReport, reconcile
 from node.snapshot import NodeSnapshot, build_snapshot
 
-__all__ = ["Machine"]
+__all__ = ["Machine", "snapshot_once"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def _health_and_ledger(
+    inventory: Inventory,
+    tracker: HealthTracker,
+    *,
+    reserved_cpu_millis: int,
+    reserved_memory_bytes: int,
+    vram_headroom_bytes: int,
+) -> tuple[HealthTracker, Ledger]:
+    """Seed health from the first readings and build the ledger over the lanes."""
+    now = trio.current_time()
+    for gpu in inventory.gpus:
+        tracker.register(gpu.uuid, at=now)
+    for probe in inventory.probes:
+        tracker.observe(probe, at=now)
+    ledger = Ledger(
+        lanes=build_lanes(inventory),
+        cpu_capacity_millis=inventory.cpu.capacity_millis,
+        memory_capacity_bytes=inventory.memory.capacity_bytes,
+        reserved_cpu_millis=reserved_cpu_millis,
+        reserved_memory_bytes=reserved_memory_bytes,
+        vram_headroom_bytes=vram_headroom_bytes,
+        device_health=tracker.states(),
+    )
+    return tracker, ledger
+
+
+async def snapshot_once(
+    *,
+    node_id: str,
+    devices: str,
+    sim_file: Path | None,
+    reserved_cpu_millis: int,
+    reserved_memory_bytes: int,
+    vram_headroom_bytes: int,
+    fatal_xids: frozenset[int] = DEFAULT_FATAL_XIDS,
+    pynvml_module: Any = None,
+) -> NodeSnapshot:
+    """Discover once and describe the machine, touching no journal and no process
+    (a running daemon on the same state folder is left alone)."""
+    inventory = await discover(devices, sim_file=sim_file, pynvml_module=pynvml_module)
+    try:
+        tracker, ledger = _health_and_ledger(
+            inventory,
+            HealthTracker(fatal_xids=fatal_xids),
+            reserved_cpu_millis=reserved_cpu_millis,
+            reserved_memory_bytes=reserved_memory_bytes,
+            vram_headroom_bytes=vram_headroom_bytes,
+        )
+        return build_snapshot(
+            node_id=node_id,
+            sequence=1,
+            inventory=inventory,
+            health=tracker,
+            ledger=ledger,
+        )
+    finally:
+        if inventory.source is not None:
+            await inventory.source.aclose()
 
 
 class Machine:
@@ -88,22 +148,14 @@ class Machine:
             if on_transition is not None:
                 on_transition(event)
 
-        tracker = HealthTracker(
-            fatal_xids=fatal_xids, recovery_probes=recovery_probes, on_transition=transition
-        )
-        now = trio.current_time()
-        for gpu in inventory.gpus:
-            tracker.register(gpu.uuid, at=now)
-        for probe in inventory.probes:
-            tracker.observe(probe, at=now)
-        ledger = Ledger(
-            lanes=build_lanes(inventory),
-            cpu_capacity_millis=inventory.cpu.capacity_millis,
-            memory_capacity_bytes=inventory.memory.capacity_bytes,
+        tracker, ledger = _health_and_ledger(
+            inventory,
+            HealthTracker(
+                fatal_xids=fatal_xids, recovery_probes=recovery_probes, on_transition=transition
+            ),
             reserved_cpu_millis=reserved_cpu_millis,
             reserved_memory_bytes=reserved_memory_bytes,
             vram_headroom_bytes=vram_headroom_bytes,
-            device_health=tracker.states(),
         )
         ledger_box.append(ledger)
         with trio.fail_after(journal_timeout):

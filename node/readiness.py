@@ -15,6 +15,7 @@ class Readiness:
     def __init__(self, steps: tuple[str, ...]) -> None:
         self._pending = dict.fromkeys(steps, "not done yet")
         self._reasons: dict[str, str] = {}
+        self._notes: dict[str, str] = {}
 
     def done(self, step: str) -> None:
         self._pending.pop(step, None)
@@ -24,6 +25,13 @@ class Readiness:
 
     def clear(self, key: str) -> None:
         self._reasons.pop(key, None)
+
+    def note(self, key: str, text: str) -> None:
+        """Worth knowing, not blocking (no NVML on a CPU-only node in `auto` mode)."""
+        self._notes[key] = text
+
+    def notes(self) -> dict[str, str]:
+        return dict(self._notes)
 
     @property
     def ready(self) -> bool:

@@ -22,7 +22,7 @@ from capabilities import Isolation as TokenIsolation
 from capabilities import LaneOp, LaneValidator, TokenService
 from capabilities.errors import CapabilityError
 from node.health import HealthState, HealthTransition
-from node.lanes import LaneKind
+from node.lanes import Isolation, LaneKind, Requirement
 from node.ledger import ReservationRefused, ReservationRequest
 from node.machine import Machine
 from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 GPU_OPS = frozenset({LaneOp.MEMORY_RESERVE, LaneOp.MEMORY_RELEASE, LaneOp.EXECUTE})
 CPU_OPS = frozenset({LaneOp.EXECUTE})
 FAILED_STATES = frozenset({HealthState.UNHEALTHY, HealthState.LOST})
+EXCLUSIVE = frozenset({Isolation.DEDICATED, Isolation.PARTITIONED})
 
 
 class UnknownInvocation(KeyError):
@@ -190,13 +191,17 @@ class Supervisor:
     async def _admit(self, inv: Invocation) -> None:
         request = inv.request
         resources = request.resources
+        requirement = request.requirement
+        asks_device = resources.gpus or resources.vram_bytes or request.isolation in EXCLUSIVE
+        if requirement is Requirement.AUTO and not asks_device:
+            requirement = Requirement.CPU  # asks for no device: it gets none
         try:
             inv.reservation = await self.machine.reserve(
                 ReservationRequest(
                     reservation_id=inv.id,
                     cpu_millis=resources.cpu_millis,
                     memory_bytes=resources.memory_bytes,
-                    requirement=request.requirement,
+                    requirement=requirement,
                     isolation=request.isolation,
                     vram_bytes=resources.vram_bytes,
                     gpus=max(1, resources.gpus),
@@ -349,3 +354,19 @@ class Supervisor:
     def is_terminal(self, invocation_id: str) -> bool:
         inv = self._live.get(invocation_id) or self._ended.get(invocation_id)
         return inv is None or inv.state in TERMINAL
+
+    def set_drained(self, lane_id: str, drained: bool) -> None:
+        """Cordon a lane (no new admissions; running work finishes) or lift it."""
+        if drained:
+            self.machine.ledger.drain(lane_id)
+        else:
+            self.machine.ledger.resume(lane_id)
+        self.events.publish(
+            NodeEvent(
+                kind=EventKind.lane,
+                at=utc_now(),
+                lane_id=lane_id,
+                to_state="drained" if drained else "resumed",
+            )
+        )
+        self._on_change()

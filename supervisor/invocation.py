@@ -85,6 +85,8 @@ class Invocation:
             ended_at=self.ended_at,
             stdout_tail=self.stdout.text()[-TAIL_CHARS:],
             stderr_tail=self.stderr.text()[-TAIL_CHARS:],
+            stdout_bytes=self.stdout.total_bytes,
+            stderr_bytes=self.stderr.total_bytes,
         )
 
     def submit_response(self) -> SubmitResponse:

@@ -74,7 +74,7 @@ class BuiltinWork(
 
 class Resources(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     cpu_millis: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 100
-    memory_bytes: _Count = 64 * 2**20
+    memory_bytes: _Count = 512 * 2**20
     gpus: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
     vram_bytes: _Count = 0
 
@@ -107,6 +107,9 @@ class InvocationStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ended_at: str | None = None
     stdout_tail: str = ""
     stderr_tail: str = ""
+    # Bytes written so far: a follower prints only what is new since its last read.
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
 
 
 class SubmitResponse(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,27 @@
+"""What the HTTP handlers reach: filled in by the daemon as start-up proceeds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from api.auth import Authenticator
+from api.metrics import NodeMetrics
+from api.snapshot_cache import SnapshotCache
+from node.config import Config
+from node.readiness import Readiness
+from supervisor.core import Supervisor
+from supervisor.events import EventHub
+from supervisor.wire import NodeEvent
+
+__all__ = ["NodeContext"]
+
+
+@dataclasses.dataclass
+class NodeContext:
+    config: Config
+    readiness: Readiness
+    metrics: NodeMetrics
+    auth: Authenticator | None = None
+    supervisor: Supervisor | None = None
+    snapshots: SnapshotCache | None = None
+    events: EventHub[NodeEvent] | None = None

@@ -1,0 +1,225 @@
+"""The OpenAPI 3.1 document, built from the msgspec wire types (never written by hand).
+
+Each endpoint lists every status it can answer with; every error body is the
+one ErrorEnvelope. `litegraph-node contracts --check` covers this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from api.errors import ErrorEnvelope
+from api.wire import DrainReply, HealthReply, ReadyReply
+from node.snapshot import NodeSnapshot
+from supervisor.lane_work import LaneWorkReply, LaneWorkRequest
+from supervisor.wire import (
+    InvocationList,
+    InvocationRequest,
+    InvocationStatus,
+    NodeEvent,
+    SubmitResponse,
+)
+
+__all__ = ["openapi_document"]
+
+_REF = "#/components/schemas/{name}"
+_DESCRIPTIONS = {
+    200: "OK",
+    202: "Accepted",
+    400: "Malformed request or identifier",
+    401: "Missing or invalid credential",
+    403: "Credential valid but not allowed",
+    404: "No such resource",
+    409: "Conflicts with current state",
+    413: "Body too large",
+    415: "Body is not JSON",
+    422: "Request well-formed but invalid",
+    429: "Too much load; retry after Retry-After seconds",
+    503: "Not ready, shutting down or lane unavailable",
+}
+_OPERATOR: list[dict[str, list[str]]] = [{"operator": []}]
+_TOKEN: list[dict[str, list[str]]] = [{"capability": []}]
+
+
+def _content(schema: dict[str, Any], media: str = "application/json") -> dict[str, Any]:
+    return {media: {"schema": schema}}
+
+
+def _responses(ok: int, body: dict[str, Any] | None, errors: tuple[int, ...]) -> dict[str, Any]:
+    error = _content({"$ref": _REF.format(name="ErrorEnvelope")})
+    out: dict[str, Any] = {str(ok): {"description": _DESCRIPTIONS[ok]}}
+    if body is not None:
+        out[str(ok)]["content"] = body
+    for status in errors:
+        out[str(status)] = {"description": _DESCRIPTIONS[status], "content": error}
+        if status == 429:
+            out[str(status)]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+    return out
+
+
+def openapi_document() -> dict[str, Any]:
+    types: list[Any] = [
+        ErrorEnvelope,
+        HealthReply,
+        ReadyReply,
+        NodeSnapshot,
+        InvocationRequest,
+        SubmitResponse,
+        InvocationStatus,
+        InvocationList,
+        LaneWorkRequest,
+        LaneWorkReply,
+        DrainReply,
+        NodeEvent,
+    ]
+    schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    ref = dict(
+        zip(
+            (
+                "error",
+                "health",
+                "ready",
+                "snapshot",
+                "request",
+                "submit",
+                "status",
+                "list",
+                "work",
+                "work_reply",
+                "drain",
+                "event",
+            ),
+            schemas,
+            strict=True,
+        )
+    )
+    json_of = {k: _content(v) for k, v in ref.items()}
+    inv_id = {
+        "name": "invocation_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"},
+    }
+    lane_id = {
+        "name": "lane_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": r"^lane_[0-9a-f]{16}$"},
+    }
+    auth = (401, 403, 503)
+    paths: dict[str, Any] = {
+        "/healthz": {
+            "get": {"operationId": "healthz", "responses": _responses(200, json_of["health"], ())}
+        },
+        "/readyz": {
+            "get": {"operationId": "readyz", "responses": _responses(200, json_of["ready"], (503,))}
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "responses": _responses(
+                    200, _content({"type": "string"}, "text/plain"), (401, 403, 503)
+                ),
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "responses": _responses(200, _content({"type": "object"}), ()),
+            }
+        },
+        "/": {
+            "get": {
+                "operationId": "status_page",
+                "responses": _responses(200, _content({"type": "string"}, "text/html"), (403,)),
+            }
+        },
+        "/v1/snapshot": {
+            "get": {
+                "operationId": "get_snapshot",
+                "security": _OPERATOR,
+                "responses": _responses(200, json_of["snapshot"], auth),
+            }
+        },
+        "/v1/events": {
+            "get": {
+                "operationId": "events",
+                "security": _OPERATOR,
+                "description": "Server-sent events; each data line is a NodeEvent.",
+                "responses": _responses(
+                    200, _content(ref["event"], "text/event-stream"), (*auth, 429)
+                ),
+            }
+        },
+        "/v1/invocations": {
+            "post": {
+                "operationId": "submit_invocation",
+                "security": _OPERATOR,
+                "requestBody": {"required": True, "content": json_of["request"]},
+                "responses": _responses(
+                    202, json_of["submit"], (400, *auth, 409, 413, 415, 422, 429)
+                ),
+            },
+            "get": {
+                "operationId": "list_invocations",
+                "security": _OPERATOR,
+                "responses": _responses(200, json_of["list"], auth),
+            },
+        },
+        "/v1/invocations/{invocation_id}": {
+            "parameters": [inv_id],
+            "get": {
+                "operationId": "get_invocation",
+                "security": _OPERATOR,
+                "responses": _responses(200, json_of["status"], (400, *auth, 404)),
+            },
+            "delete": {
+                "operationId": "cancel_invocation",
+                "security": _OPERATOR,
+                "responses": _responses(200, json_of["status"], (400, *auth, 404)),
+            },
+        },
+        "/v1/lanes/{lane_id}/work": {
+            "parameters": [lane_id],
+            "post": {
+                "operationId": "lane_work",
+                "security": _TOKEN,
+                "requestBody": {"required": True, "content": json_of["work"]},
+                "responses": _responses(
+                    200, json_of["work_reply"], (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)
+                ),
+            },
+        },
+    }
+    for action in ("drain", "resume"):
+        paths[f"/v1/lanes/{{lane_id}}/{action}"] = {
+            "parameters": [lane_id],
+            "post": {
+                "operationId": f"{action}_lane",
+                "security": _OPERATOR,
+                "responses": _responses(200, json_of["drain"], (400, *auth, 404)),
+            },
+        }
+    return {
+        "openapi": "3.1.0",
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "info": {"title": "litegraph-node", "version": "1"},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "operator": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "scheduler or admin secret from the auth file",
+                },
+                "capability": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "bearerFormat": "PASETO v4.public",
+                },
+            },
+        },
+    }

@@ -1,0 +1,68 @@
+"""POST/GET/DELETE /v1/invocations: the scheduler's way to run work on this node."""
+
+from __future__ import annotations
+
+import math
+
+from quart import Response
+from quart_trio import QuartTrio
+
+from api.context import NodeContext
+from api.errors import ApiError
+from api.http import (
+    ANY_OPERATOR,
+    INVOCATION_ID,
+    check_identifier,
+    decode_body,
+    ready_supervisor,
+    require_role,
+)
+from api.responses import json_response
+from supervisor.admission import AdmissionRefused
+from supervisor.core import UnknownInvocation
+from supervisor.wire import InvocationList, InvocationRequest
+
+__all__ = ["register_invocation_routes"]
+
+
+def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
+    @app.post("/v1/invocations")
+    async def submit() -> Response:
+        require_role(ctx, ANY_OPERATOR)
+        sup = ready_supervisor(ctx)
+        invocation: InvocationRequest = await decode_body(InvocationRequest)
+        try:
+            accepted = await sup.submit(invocation)
+        except AdmissionRefused as refused:
+            ctx.metrics.admission_refusals.labels(refused.reason).inc()
+            headers = {}
+            if refused.retry_after is not None:
+                headers["Retry-After"] = str(max(1, math.ceil(refused.retry_after)))
+            raise ApiError(
+                refused.status, refused.reason, str(refused), refused.details, headers
+            ) from None
+        return json_response(accepted, 202)
+
+    @app.get("/v1/invocations")
+    async def list_invocations() -> Response:
+        require_role(ctx, ANY_OPERATOR)
+        return json_response(InvocationList(invocations=ready_supervisor(ctx).list()))
+
+    @app.get("/v1/invocations/<invocation_id>")
+    async def get_invocation(invocation_id: str) -> Response:
+        require_role(ctx, ANY_OPERATOR)
+        check_identifier(invocation_id, INVOCATION_ID, "invocation_id")
+        try:
+            return json_response(ready_supervisor(ctx).get(invocation_id))
+        except UnknownInvocation:
+            raise ApiError(404, "unknown_invocation", "no such invocation") from None
+
+    @app.delete("/v1/invocations/<invocation_id>")
+    async def cancel_invocation(invocation_id: str) -> Response:
+        require_role(ctx, ANY_OPERATOR)
+        check_identifier(invocation_id, INVOCATION_ID, "invocation_id")
+        try:
+            # Answers only once everything the invocation held is released.
+            return json_response(await ready_supervisor(ctx).cancel(invocation_id))
+        except UnknownInvocation:
+            raise ApiError(404, "unknown_invocation", "no such invocation") from None

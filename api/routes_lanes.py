@@ -1,0 +1,78 @@
+"""Lane work for token holders, and drain/resume for admins."""
+
+from __future__ import annotations
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from api.context import NodeContext
+from api.errors import ApiError
+from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_supervisor, require_role
+from api.responses import json_response
+from capabilities import TokenRefusal, TokenRefused
+from supervisor.lane_owner import LaneWorkError
+from supervisor.lane_work import LaneWorkRequest
+
+__all__ = ["register_lane_routes"]
+
+# Who the token is (401) versus what it may do (403).
+FORBIDDEN = frozenset(
+    {TokenRefusal.WRONG_AUDIENCE, TokenRefusal.OP_NOT_GRANTED, TokenRefusal.VRAM_OVER_BUDGET}
+)
+
+
+def _bearer() -> str:
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        raise ApiError(
+            401,
+            "missing_token",
+            "lane work needs a capability token: Authorization: Bearer v4.public...",
+            headers={"WWW-Authenticate": 'Bearer realm="litegraph-lanes"'},
+        )
+    return header[len("Bearer ") :].strip()
+
+
+def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
+    @app.post("/v1/lanes/<lane_id>/work")
+    async def lane_work(lane_id: str) -> Response:
+        check_identifier(lane_id, LANE_ID, "lane_id")
+        token = _bearer()
+        sup = ready_supervisor(ctx)
+        work: LaneWorkRequest = await decode_body(LaneWorkRequest)
+        started = trio.current_time()
+        try:
+            reply = await sup.lane_work(lane_id, token, work)
+        except TokenRefused as refused:
+            ctx.metrics.token_refusals.labels(refused.reason.value).inc()
+            status = 403 if refused.reason in FORBIDDEN else 401
+            raise ApiError(
+                status, refused.reason.value, f"capability token refused: {refused.reason.value}"
+            ) from None
+        except LaneWorkError as failed:
+            raise ApiError(failed.status, failed.code, str(failed)) from None
+        except trio.TooSlowError:
+            raise ApiError(503, "lane_timeout", "the lane did not answer in time") from None
+        finally:
+            ctx.metrics.lane_work_seconds.labels(type(work).__name__).observe(
+                trio.current_time() - started
+            )
+        return json_response(reply)
+
+    async def _set_drained(lane_id: str, drained: bool) -> Response:
+        require_role(ctx, ADMIN)
+        check_identifier(lane_id, LANE_ID, "lane_id")
+        sup = ready_supervisor(ctx)
+        if sup.machine.ledger.lane(lane_id) is None:
+            raise ApiError(404, "unknown_lane", "no such lane")
+        sup.set_drained(lane_id, drained)
+        return json_response({"lane_id": lane_id, "drained": drained})
+
+    @app.post("/v1/lanes/<lane_id>/drain")
+    async def drain(lane_id: str) -> Response:
+        return await _set_drained(lane_id, True)
+
+    @app.post("/v1/lanes/<lane_id>/resume")
+    async def resume(lane_id: str) -> Response:
+        return await _set_drained(lane_id, False)

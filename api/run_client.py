@@ -1,0 +1,114 @@
+"""`litegraph-node run -- CMD ...`: submit a process invocation, follow it, cancel on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from typing import TextIO
+
+import httpx
+import msgspec
+import trio
+
+from api.errors import ErrorEnvelope
+from node.lanes import Requirement
+from supervisor.wire import (
+    InvocationRequest,
+    InvocationState,
+    InvocationStatus,
+    ProcessWork,
+    Resources,
+)
+
+__all__ = ["follow_command"]
+
+POLL_SECONDS = 0.25
+REQUEST_SECONDS = 15.0
+EXIT_CODES = {
+    InvocationState.succeeded: 0,
+    InvocationState.cancelled: 130,
+    InvocationState.timed_out: 124,
+}
+
+
+def _new_output(tail: str, total: int, printed: int) -> tuple[str, int]:
+    """What of `tail` was not printed yet, given the byte counts."""
+    fresh = total - printed
+    if fresh <= 0:
+        return "", printed
+    data = tail.encode()
+    if fresh > len(data):
+        return f"[... {fresh - len(data)} bytes not kept ...]\n" + tail, total
+    return data[-fresh:].decode(errors="replace"), total
+
+
+def _error_text(reply: httpx.Response) -> str:
+    try:
+        body = msgspec.json.decode(reply.content, type=ErrorEnvelope).error
+        return f"{body.code}: {body.message}"
+    except msgspec.DecodeError:
+        return reply.text[:200]
+
+
+async def follow_command(
+    base_url: str,
+    secret: str,
+    argv: list[str],
+    *,
+    timeout_s: float,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    invocation_id = "run-" + secrets.token_hex(8)
+    request = InvocationRequest(
+        id=invocation_id,
+        work=ProcessWork(argv=argv, cwd=os.getcwd()),
+        requirement=Requirement.AUTO,
+        resources=Resources(cpu_millis=1000, memory_bytes=2 * 2**30),
+        timeout_s=timeout_s,
+    )
+    headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=REQUEST_SECONDS
+    ) as client:
+        reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
+        if reply.status_code != 202:
+            print(
+                f"litegraph-node run: refused ({reply.status_code}) {_error_text(reply)}", file=err
+            )
+            return 1
+        print(f"{invocation_id}: submitted", file=err, flush=True)
+        try:
+            return await _follow(client, invocation_id, out, err)
+        except BaseException:
+            with trio.move_on_after(REQUEST_SECONDS, shield=True):
+                await client.delete(f"/v1/invocations/{invocation_id}")
+                print(f"\n{invocation_id}: cancelled", file=err, flush=True)
+            raise
+
+
+async def _follow(client: httpx.AsyncClient, invocation_id: str, out: TextIO, err: TextIO) -> int:
+    printed_out = printed_err = 0
+    state: InvocationState | None = None
+    while True:
+        reply = await client.get(f"/v1/invocations/{invocation_id}")
+        if reply.status_code != 200:
+            print(f"litegraph-node run: lost the invocation: {_error_text(reply)}", file=err)
+            return 1
+        status = msgspec.json.decode(reply.content, type=InvocationStatus)
+        text, printed_out = _new_output(status.stdout_tail, status.stdout_bytes, printed_out)
+        out.write(text)
+        text, printed_err = _new_output(status.stderr_tail, status.stderr_bytes, printed_err)
+        err.write(text)
+        out.flush()
+        if status.state is not state:
+            state = status.state
+            reason = f" ({status.reason})" if status.reason else ""
+            print(f"{invocation_id}: {state.value}{reason}", file=err, flush=True)
+        if state in (InvocationState.queued, InvocationState.running):
+            await trio.sleep(POLL_SECONDS)
+            continue
+        if state is InvocationState.failed and status.exit_code is not None:
+            return status.exit_code if status.exit_code > 0 else 128 - status.exit_code
+        return EXIT_CODES.get(state, 1)
