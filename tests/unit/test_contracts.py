@@ -19,6 +19,9 @@ def test_checked_in_contracts_match_the_types() -> None:
 def test_each_file_declares_dialect_and_id() -> None:
     for name, text in render_contracts().items():
         doc = json.loads(text)
+        if name == "openapi.json":
+            assert doc["openapi"].startswith("3.1")
+            continue
         assert doc["$schema"] == "https://json-schema.org/draft/2020-12/schema"
         assert doc["$id"].endswith(name)
 
