@@ -19,7 +19,6 @@ import dataclasses
 import os
 import pathlib
 import re
-import secrets
 import stat
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -29,6 +28,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 
 from capabilities.errors import KeyFileError, KeyFileProblem, KeyRingError
 from capabilities.paseto import load_paserk_secret, paserk_pid, paserk_public, paserk_secret
+from capabilities.securefile import (
+    SecretFileError,
+    SecretFileProblem,
+    fsync_dir,
+    read_secret_file,
+    write_secret_file,
+)
 
 __all__ = ["KeyRing"]
 
@@ -36,7 +42,6 @@ KEYS_DIRNAME = "keys"
 _KEY_NAME = re.compile(r"key-(\d{8})\.paserk")
 _TEMP_NAME = re.compile(r"\.key-\d{8}\.paserk\.[0-9a-f]{8}\.tmp")
 _MAX_KEY_FILE = 1024
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,19 +53,14 @@ class _Key:
     public: Ed25519PublicKey
 
 
-def _check_owner_and_mode(path: pathlib.Path, st: os.stat_result, what: str) -> None:
-    if st.st_uid != os.geteuid():
-        raise KeyFileError(
-            path, KeyFileProblem.WRONG_OWNER, f"{what} is owned by uid {st.st_uid}, not by us"
-        )
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise KeyFileError(
-            path,
-            KeyFileProblem.LOOSE_MODE,
-            f"{what} has mode {stat.S_IMODE(st.st_mode):04o}; others could read it "
-            f"(expected {'0700' if what == 'key folder' else '0600'}: chmod it, or "
-            "rotate the keys if it may have leaked)",
-        )
+_PROBLEMS = {
+    SecretFileProblem.symlink: KeyFileProblem.SYMLINK,
+    SecretFileProblem.not_regular: KeyFileProblem.NOT_REGULAR,
+    SecretFileProblem.wrong_owner: KeyFileProblem.WRONG_OWNER,
+    SecretFileProblem.loose_mode: KeyFileProblem.LOOSE_MODE,
+    SecretFileProblem.too_large: KeyFileProblem.MALFORMED,
+    SecretFileProblem.unreadable: KeyFileProblem.UNREADABLE,
+}
 
 
 def _open_keys_dir(state_dir: pathlib.Path) -> pathlib.Path:
@@ -78,33 +78,25 @@ def _open_keys_dir(state_dir: pathlib.Path) -> pathlib.Path:
         raise KeyFileError(directory, KeyFileProblem.SYMLINK, "key folder is a symlink")
     if not stat.S_ISDIR(st.st_mode):
         raise KeyFileError(directory, KeyFileProblem.NOT_REGULAR, "key folder is not a folder")
-    _check_owner_and_mode(directory, st, "key folder")
+    if st.st_uid != os.geteuid():
+        raise KeyFileError(
+            directory, KeyFileProblem.WRONG_OWNER, f"key folder is owned by uid {st.st_uid}"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise KeyFileError(
+            directory,
+            KeyFileProblem.LOOSE_MODE,
+            f"key folder has mode {stat.S_IMODE(st.st_mode):04o}; expected 0700 "
+            "(chmod it, or rotate the keys if they may have leaked)",
+        )
     return directory
 
 
 def _read_key_file(path: pathlib.Path) -> Ed25519PrivateKey:
     try:
-        st = path.lstat()
-        if stat.S_ISLNK(st.st_mode):
-            raise KeyFileError(path, KeyFileProblem.SYMLINK, "key file is a symlink")
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(path, KeyFileProblem.NOT_REGULAR, "key file is not a regular file")
-        _check_owner_and_mode(path, st, "key file")
-        fd = os.open(path, _OPEN_FLAGS)
-        try:
-            opened = os.fstat(fd)
-            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
-                raise KeyFileError(path, KeyFileProblem.UNREADABLE, "key file changed while opened")
-            _check_owner_and_mode(path, opened, "key file")
-            raw = os.read(fd, _MAX_KEY_FILE + 1)
-        finally:
-            os.close(fd)
-    except KeyFileError:
-        raise
-    except OSError as exc:
-        raise KeyFileError(path, KeyFileProblem.UNREADABLE, str(exc)) from exc
-    if len(raw) > _MAX_KEY_FILE:
-        raise KeyFileError(path, KeyFileProblem.MALFORMED, "key file is too large")
+        raw = read_secret_file(path, max_bytes=_MAX_KEY_FILE)
+    except SecretFileError as exc:
+        raise KeyFileError(path, _PROBLEMS[exc.problem], f"key file {exc}") from None
     try:
         return load_paserk_secret(raw.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -113,31 +105,9 @@ def _read_key_file(path: pathlib.Path) -> Ed25519PrivateKey:
         ) from None
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_key_file(path: pathlib.Path, secret: Ed25519PrivateKey) -> None:
     """Write atomically, mode 0600, never through a symlink, never half a key."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(temp, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, (paserk_secret(secret) + "\n").encode("ascii"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    write_secret_file(path, (paserk_secret(secret) + "\n").encode("ascii"))
 
 
 class KeyRing:
@@ -237,7 +207,7 @@ class KeyRing:
             raise KeyRingError(f"key {kid} signs new tokens; rotate before retiring it")
         # Disk first: if this fails the key stays fully in service, never half-retired.
         key.path.unlink(missing_ok=True)
-        _fsync_dir(self._directory)
+        fsync_dir(self._directory)
         del self._keys[kid]
         self._generation += 1
 

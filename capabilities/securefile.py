@@ -14,7 +14,13 @@ import secrets
 import stat
 from enum import StrEnum
 
-__all__ = ["SecretFileError", "SecretFileProblem", "read_secret_file", "write_secret_file"]
+__all__ = [
+    "SecretFileError",
+    "SecretFileProblem",
+    "fsync_dir",
+    "read_secret_file",
+    "write_secret_file",
+]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -58,20 +64,33 @@ def _check(path: pathlib.Path, st: os.stat_result) -> None:
 def read_secret_file(path: pathlib.Path, max_bytes: int = 64 * 1024) -> bytes:
     """The file's bytes, after checking what it is, who owns it and its mode."""
     try:
-        _check(path, path.lstat())
+        checked = path.lstat()
+        _check(path, checked)
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     except SecretFileError:
         raise
     except OSError as exc:
         raise SecretFileError(path, SecretFileProblem.unreadable, str(exc)) from exc
     try:
-        _check(path, os.fstat(fd))  # the file we opened, not one swapped in since
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
+            raise SecretFileError(path, SecretFileProblem.unreadable, "changed while opened")
+        _check(path, opened)  # the file we opened, not one swapped in since
         data = os.read(fd, max_bytes + 1)
     finally:
         os.close(fd)
     if len(data) > max_bytes:
         raise SecretFileError(path, SecretFileProblem.too_large, f"is over {max_bytes} bytes")
     return data
+
+
+def fsync_dir(directory: pathlib.Path) -> None:
+    """Make a rename or unlink in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_secret_file(path: pathlib.Path, data: bytes) -> None:
@@ -89,8 +108,4 @@ def write_secret_file(path: pathlib.Path, data: bytes) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
