@@ -5,13 +5,18 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# stderr lines of children started by `spawned`, read by a thread so a chatty
+# child never blocks on a full pipe.
+_LINES: dict[int, queue.Queue[str | None]] = {}
 
 
 def node_command(*args: str) -> list[str]:
@@ -25,17 +30,25 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _drain(stream: object, lines: queue.Queue[str | None]) -> None:
+    assert hasattr(stream, "readline")
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put(None)
+
+
 def wait_for_line(proc: subprocess.Popen[str], pattern: str, timeout: float = 20.0) -> str:
-    """Read the child's stderr until a line matches; returns the first group."""
-    assert proc.stderr is not None
+    """Wait for a stderr line of a `spawned` child to match; returns the first group."""
+    lines = _LINES[proc.pid]
     deadline = time.monotonic() + timeout
     seen = []
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
         seen.append(line)
         match = re.search(pattern, line)
         if match:
@@ -50,12 +63,18 @@ def spawned(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[s
     with subprocess.Popen(
         argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
     ) as proc:
+        lines: queue.Queue[str | None] = queue.Queue()
+        _LINES[proc.pid] = lines
+        reader = threading.Thread(target=_drain, args=(proc.stderr, lines), daemon=True)
+        reader.start()
         try:
             yield proc
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
+            reader.join(timeout=10)
+            del _LINES[proc.pid]
 
 
 def stop(proc: subprocess.Popen[str], signum: int, timeout: float = 20.0) -> int:

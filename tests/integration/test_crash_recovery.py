@@ -1,0 +1,89 @@
+"""SIGKILL the daemon while a process invocation runs, restart it on the same state:
+no orphan survives, the ledger is back to its baseline, old tokens are refused."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import time
+
+import httpx
+import psutil
+
+from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
+
+LISTENING = r"listening on (http://\S+)"
+
+
+def _serve(state: pathlib.Path) -> list[str]:
+    return node_command(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--devices", "sim"
+    )
+
+
+def _wait_ready(client: httpx.Client) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if client.get("/readyz").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the daemon never became ready")
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_sigkill_then_restart_leaves_no_orphan_and_refuses_old_tokens(
+    tmp_path: pathlib.Path,
+) -> None:
+    env = clean_env()
+    with spawned(_serve(tmp_path), env) as first:
+        url = wait_for_line(first, LISTENING)
+        with httpx.Client(base_url=url, timeout=10) as client:
+            _wait_ready(client)
+        secret = json.loads((tmp_path / "auth.json").read_text())["scheduler"]
+        operator = {"Authorization": f"Bearer {secret}"}
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            baseline = client.get("/v1/snapshot").json()["capacity"]
+            accepted = client.post(
+                "/v1/invocations",
+                json={
+                    "id": "survivor",
+                    "work": {"kind": "process", "argv": ["sh", "-c", "sleep 300 & sleep 300"]},
+                    "requirement": "gpu",
+                    "resources": {"cpu_millis": 500, "gpus": 1, "vram_bytes": 2**30},
+                },
+            )
+            assert accepted.status_code == 202, accepted.text
+            lane_id, token = next(iter(accepted.json()["tokens"].items()))
+            deadline = time.monotonic() + 10
+            while len(_descendants(first.pid)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            orphans = _descendants(first.pid)
+            assert len(orphans) >= 2  # the shell and its backgrounded sleep
+            held = client.get("/v1/snapshot").json()["capacity"]
+            assert held["cpu_millis"]["allocated"] == baseline["cpu_millis"]["allocated"] + 500
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+    assert any(p.is_running() for p in orphans), "the orphans outlived the daemon"
+
+    with spawned(_serve(tmp_path), env) as second:
+        url = wait_for_line(second, LISTENING)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            _wait_ready(client)
+            _gone, alive = psutil.wait_procs(orphans, timeout=10)
+            assert not alive, f"orphans left running: {alive}"
+            capacity = client.get("/v1/snapshot").json()["capacity"]
+            assert capacity["cpu_millis"] == baseline["cpu_millis"]
+            assert capacity["memory_bytes"] == baseline["memory_bytes"]
+            assert capacity["vram_bytes"] == baseline["vram_bytes"]
+            refused = client.post(
+                f"/v1/lanes/{lane_id}/work",
+                json={"op": "execute", "kernel": "noop"},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == "unknown_key"
+        assert stop(second, signal.SIGTERM) == 0
