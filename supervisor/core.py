@@ -22,6 +22,7 @@ from capabilities import Isolation as TokenIsolation
 from capabilities import LaneOp, LaneValidator, TokenService
 from capabilities.errors import CapabilityError
 from node.health import HealthState, HealthTransition
+from node.journal import JournalError
 from node.lanes import Isolation, LaneKind, Requirement
 from node.ledger import ReservationRefused, ReservationRequest
 from node.machine import Machine
@@ -101,12 +102,17 @@ class Supervisor:
 
     # -- running ------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            for owner in self.owners.values():
-                nursery.start_soon(owner.run)
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for owner in self.owners.values():
+                    nursery.start_soon(owner.run)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            # A closed nursery takes no actor: refuse before reserving, never after.
+            self.accepting = False
+            self._nursery = None
 
     async def shutdown(self, grace: float) -> None:
         """Stop admitting; give running work `grace` seconds, then cancel the rest and
@@ -166,16 +172,32 @@ class Supervisor:
         self._live[inv.id] = inv  # claims the id while the reservation is journaled
         try:
             await self._admit(inv)
+            if self._stopped():  # the supervisor stopped while this was journaled
+                with trio.CancelScope(shield=True):
+                    self._revoke(inv)
+                    await self.machine.release(inv.id)
+                raise AdmissionRefused(503, "shutting_down", "the node is not admitting work")
         except BaseException as exc:
             del self._live[inv.id]
             inv.admitted.set()
+            inv.finished.set()  # a cancel that arrived during admission answers now
             reason = exc.reason if isinstance(exc, AdmissionRefused) else "admission_failed"
             self._announce_refusal(inv.id, reason)
             raise
         inv.admitted.set()
+        if inv.reservation is not None and any(
+            self.machine.ledger.lane_health(g.lane_id) in FAILED_STATES
+            for g in inv.reservation.lanes
+        ):
+            # A fault reached the lane while the grant was being journaled, before
+            # on_health/_lane_faulted could see the reservation: it must not run there.
+            self._cancel(inv, "lane_unhealthy")
         self._nursery.start_soon(self._actor, inv)
         self._announce(inv)
         return inv.submit_response()
+
+    def _stopped(self) -> bool:
+        return self._nursery is None
 
     async def _resubmitted(self, inv: Invocation, request: InvocationRequest) -> SubmitResponse:
         if msgspec.json.encode(request) != inv.encoded_request:
@@ -209,6 +231,11 @@ class Supervisor:
             )
         except ReservationRefused as refusal:
             raise from_reservation_refusal(refusal) from None
+        except (OSError, JournalError, trio.TooSlowError) as exc:
+            # Nothing was reserved (the machine gave it back); the node's fault, say so.
+            raise AdmissionRefused(
+                503, "journal_unavailable", f"the reservation could not be journaled: {exc}"
+            ) from None
         deadline = time.time() + request.timeout_s
         try:
             for grant in inv.reservation.lanes:
@@ -236,6 +263,8 @@ class Supervisor:
         self._cancel(inv, "cancel_requested")
         with trio.fail_after(self.cleanup_deadline + self.kill_grace + 5):
             await inv.finished.wait()
+        if inv.state not in TERMINAL:  # its admission failed: it never existed
+            raise UnknownInvocation(invocation_id)
         return inv.status()
 
     def _cancel(self, inv: Invocation, reason: str) -> None:
@@ -312,7 +341,11 @@ class Supervisor:
         if inv.pid is not None:
             with trio.move_on_after(self.kill_grace):
                 await inv.pid_recorded.wait()
-            await self.machine.process_ended(inv.id, inv.pid)
+            try:
+                await self.machine.process_ended(inv.id, inv.pid)
+            except (OSError, JournalError, trio.TooSlowError) as exc:
+                # The group is gone already; a restart's reconcile finds the pid dead.
+                log.error("journal of the end of %s (pid %d) failed: %s", inv.id, inv.pid, exc)
 
     def _revoke(self, inv: Invocation) -> None:
         try:

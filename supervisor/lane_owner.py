@@ -94,6 +94,7 @@ class LaneOwner:
         self._window = window
         self.restarts: deque[float] = deque(maxlen=max_restarts + 1)
         self.faulted = False
+        self.stopped = False
 
     # -- what other tasks call ------------------------------------------------------
     async def request(self, token: str, work: LaneWorkRequest) -> LaneWorkReply:
@@ -101,6 +102,8 @@ class LaneOwner:
         bounds the wait with its own deadline."""
         if self.faulted:
             raise LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
+        if self.stopped:
+            raise LaneWorkError(503, "shutting_down", "the lane owner stopped")
         job = _Job(token, work)
         try:
             self._send.send_nowait(job)
@@ -131,27 +134,32 @@ class LaneOwner:
     # -- the owner task ---------------------------------------------------------------
     async def run(self) -> None:
         """Serve until cancelled, restarting after a crash with bounded intensity."""
-        while True:
-            try:
-                await self._serve()
-            except Exception:
-                log.exception("lane owner %s crashed", self.lane.lane_id)
-                now = trio.current_time()
-                self.restarts.append(now)
-                recent = [t for t in self.restarts if now - t <= self._window]
-                if len(recent) > self._max_restarts:
-                    self._fault()
-                    return
+        try:
+            while True:
+                try:
+                    await self._serve()
+                except Exception:
+                    log.exception("lane owner %s crashed", self.lane.lane_id)
+                    now = trio.current_time()
+                    self.restarts.append(now)
+                    recent = [t for t in self.restarts if now - t <= self._window]
+                    if len(recent) > self._max_restarts:
+                        self.faulted = True
+                        self._on_fault(self.lane.lane_id)
+                        self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
+                        return
+        finally:
+            # Cancelled (shutdown): nobody will serve what is queued; answer it now.
+            self.stopped = True
+            self._refuse_queued("shutting_down", "the lane owner stopped")
 
-    def _fault(self) -> None:
-        self.faulted = True
-        self._on_fault(self.lane.lane_id)
-        while True:  # refuse what is still queued: nobody will serve it
+    def _refuse_queued(self, code: str, message: str) -> None:
+        while True:
             try:
                 job = self._receive.receive_nowait()
             except trio.WouldBlock:
                 return
-            job.error = LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
+            job.error = LaneWorkError(503, code, message)
             job.done.set()
 
     async def _serve(self) -> None:

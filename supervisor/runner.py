@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+import trio
+
+from node.journal import JournalError
 from node.lanes import LaneKind
 from supervisor.builtins import BUILTINS
 from supervisor.invocation import Invocation
@@ -14,6 +18,8 @@ if TYPE_CHECKING:
     from supervisor.core import Supervisor
 
 __all__ = ["process_spec", "run_work"]
+
+log = logging.getLogger(__name__)
 
 
 def process_spec(sup: Supervisor, inv: Invocation, work: ProcessWork) -> ProcessSpec:
@@ -50,6 +56,9 @@ async def run_work(sup: Supervisor, inv: Invocation) -> int:
         async def record() -> None:
             try:
                 await sup.machine.process_started(inv.id, pid, start_time)
+            except (OSError, JournalError, trio.TooSlowError) as exc:
+                # Runs in the supervisor's nursery: raising here would end every invocation.
+                log.error("journal of the start of %s (pid %d) failed: %s", inv.id, pid, exc)
             finally:
                 inv.pid_recorded.set()
 

@@ -1,0 +1,225 @@
+"""The supervisor when the journal is slow or fails: admission races with faults and
+cancels, and journal errors at process start/end never take the supervisor down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from capabilities import KeyRing, TokenService
+from node.health import Signal
+from node.lanes import Requirement
+from supervisor.admission import AdmissionRefused
+from supervisor.core import Supervisor, UnknownInvocation
+from supervisor.events import EventHub
+from supervisor.lane_work import SimulatedExecutor
+from supervisor.wire import InvocationState, NodeEvent
+from tests.supervisor_fixtures import (
+    NODE,
+    SIM_GPU,
+    TREE,
+    FaultyJournalMachine,
+    GiB,
+    Rig,
+    builtin,
+    kill_leftovers,
+    open_machine,
+    open_rig,
+    process,
+    session_members,
+    tree_pid,
+)
+
+S = InvocationState
+
+
+def machine(rig: Rig) -> FaultyJournalMachine:
+    assert isinstance(rig.machine, FaultyJournalMachine)
+    return rig.machine
+
+
+async def test_a_journal_failure_at_admission_is_a_typed_503_and_reserves_nothing(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path, machine_cls=FaultyJournalMachine) as rig:
+        machine(rig).fail = True
+        with pytest.raises(AdmissionRefused) as refused:
+            await rig.sup.submit(builtin("j", "echo"))
+        assert (refused.value.status, refused.value.reason) == (503, "journal_unavailable")
+        assert len(rig.machine.ledger) == 0 and rig.tokens.live_tokens == 0
+        with pytest.raises(UnknownInvocation):
+            rig.sup.get("j")
+        machine(rig).fail = False
+        await rig.sup.submit(builtin("j", "echo"))  # the id was not kept
+        assert await rig.wait_terminal("j") is S.succeeded
+
+
+async def test_a_cancel_during_a_failing_admission_answers_at_once(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path, machine_cls=FaultyJournalMachine) as rig:
+        m = machine(rig)
+        m.gate, m.fail = trio.Event(), True
+        outcome: list[object] = []
+
+        async def submit() -> None:
+            with pytest.raises(AdmissionRefused):
+                await rig.sup.submit(builtin("slow", "sleep", seconds=10))
+            outcome.append("refused")
+
+        async def cancel() -> None:
+            try:
+                await rig.sup.cancel("slow")
+            except UnknownInvocation:
+                outcome.append("unknown")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(cancel)
+            await trio.testing.wait_all_tasks_blocked()
+            m.gate.set()
+        # No waiting out the cleanup deadline: the frozen clock never moved.
+        assert trio.current_time() == 0
+        assert sorted(map(str, outcome)) == ["refused", "unknown"]
+        rig.assert_baseline()
+
+
+async def test_a_cancel_during_admission_cancels_once_admitted(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path, machine_cls=FaultyJournalMachine) as rig:
+        m = machine(rig)
+        m.gate = trio.Event()
+        answers: list[object] = []
+
+        async def submit() -> None:
+            answers.append(await rig.sup.submit(builtin("c", "sleep", seconds=10)))
+
+        async def cancel() -> None:
+            answers.append(await rig.sup.cancel("c"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(cancel)
+            await trio.testing.wait_all_tasks_blocked()
+            m.gate.set()
+        status = rig.sup.get("c")
+        assert (status.state, status.reason, status.started_at) == (
+            S.cancelled,
+            "cancel_requested",
+            None,
+        )
+        rig.assert_baseline()
+
+
+async def test_a_device_fault_while_admission_is_journaled_still_cancels_the_work(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path, machine_cls=FaultyJournalMachine) as rig:
+        m = machine(rig)
+        m.gate = trio.Event()
+        responses: list[object] = []
+        request = builtin(
+            "race", "sleep", requirement=Requirement.GPU, gpus=1, vram_bytes=GiB, seconds=100
+        )
+
+        async def submit() -> None:
+            responses.append(await rig.sup.submit(request))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit)
+            await trio.testing.wait_all_tasks_blocked()
+            assert m.writes_waiting == 1  # reserved in the ledger, not yet journaled
+            rig.machine.health.apply(SIM_GPU, Signal.FATAL_XID, "xid_79", at=0.0)
+            m.gate.set()
+        assert await rig.wait_terminal("race") is S.cancelled
+        assert rig.sup.get("race").reason == "lane_unhealthy"
+        assert len(rig.machine.ledger) == 0
+
+
+async def test_journal_failures_around_a_process_never_take_the_supervisor_down(
+    tmp_path: Path,
+) -> None:
+    async with open_rig(tmp_path, machine_cls=FaultyJournalMachine) as rig:
+        m = machine(rig)
+        first = await rig.sup.submit(process("p1", *TREE))
+        m.fail = True  # process_started cannot be journaled
+        sid = await tree_pid(rig, "p1")
+        try:
+            status = await rig.sup.cancel("p1")  # nor the release and process end
+            assert (status.state, status.reason) == (S.cancelled, "cancel_requested")
+            assert session_members(sid) == []
+            assert len(rig.machine.ledger) == 0
+            rig.assert_revoked(first.tokens)
+        finally:
+            kill_leftovers(sid)
+        m.fail = False
+        second = await rig.sup.submit(process("p2", "true"))
+        assert await rig.wait_terminal("p2") is S.succeeded
+        rig.assert_revoked(second.tokens)
+
+
+async def test_a_journal_failure_at_process_end_is_survived(tmp_path: Path) -> None:
+    async with open_rig(tmp_path, machine_cls=FaultyJournalMachine) as rig:
+        m = machine(rig)
+        await rig.sup.submit(process("p", *TREE))
+        sid = await tree_pid(rig, "p")
+        try:
+            with trio.fail_after(5):
+                while not rig.machine.journal.processes():  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            m.fail = True
+            status = await rig.sup.cancel("p")
+            assert status.state is S.cancelled
+            assert session_members(sid) == []
+            assert len(rig.machine.ledger) == 0
+        finally:
+            kill_leftovers(sid)
+        m.fail = False
+        await rig.sup.submit(builtin("after", "echo"))
+        assert await rig.wait_terminal("after") is S.succeeded
+
+
+async def test_a_supervisor_stopping_during_admission_refuses_and_releases(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    state_dir = tmp_path / "state"
+    m = await open_machine(state_dir, cls=FaultyJournalMachine)
+    assert isinstance(m, FaultyJournalMachine)
+    try:
+        tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
+        sup = Supervisor(
+            m,
+            tokens,
+            EventHub[NodeEvent](max_subscribers=2, buffer=64),
+            SimulatedExecutor(m.ledger.available),
+            max_queued=4,
+            max_running=1,
+        )
+        outcome: list[AdmissionRefused] = []
+
+        async def submit() -> None:
+            with pytest.raises(AdmissionRefused) as refused:
+                await sup.submit(builtin("late", "sleep", seconds=10))
+            outcome.append(refused.value)
+
+        async with trio.open_nursery() as outer:
+            with trio.CancelScope() as run_scope:
+                async with trio.open_nursery() as inner:
+                    await inner.start(sup.run)
+                    gate = m.gate = trio.Event()
+                    outer.start_soon(submit)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert m.writes_waiting == 1
+                    run_scope.cancel()
+            gate.set()
+        assert [(r.status, r.reason) for r in outcome] == [(503, "shutting_down")]
+        assert len(m.ledger) == 0 and m.journal.reservations() == {}
+        assert tokens.live_tokens == 0
+    finally:
+        await m.aclose()
