@@ -27,6 +27,9 @@ def create_app(ctx: NodeContext) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BODY_TIMEOUT"] = 10
     app.config["RESPONSE_TIMEOUT"] = 60
+    # No 308 redirects to a "normalised" path (e.g. /v1/lanes/..%2F/work): an API
+    # answers the path it was sent, with an error if it names nothing.
+    app.url_map.merge_slashes = False
 
     @app.errorhandler(ApiError)
     async def on_api_error(error: ApiError) -> Response:

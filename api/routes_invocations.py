@@ -48,7 +48,9 @@ def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
         require_role(ctx, ANY_OPERATOR)
         return json_response(InvocationList(invocations=ready_supervisor(ctx).list()))
 
-    @app.get("/v1/invocations/<invocation_id>")
+    # `path:` so that an id with an (encoded) slash is refused as an identifier (400),
+    # not passed over by the router.
+    @app.get("/v1/invocations/<path:invocation_id>")
     async def get_invocation(invocation_id: str) -> Response:
         require_role(ctx, ANY_OPERATOR)
         check_identifier(invocation_id, INVOCATION_ID, "invocation_id")
@@ -57,7 +59,7 @@ def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
         except UnknownInvocation:
             raise ApiError(404, "unknown_invocation", "no such invocation") from None
 
-    @app.delete("/v1/invocations/<invocation_id>")
+    @app.delete("/v1/invocations/<path:invocation_id>")
     async def cancel_invocation(invocation_id: str) -> Response:
         require_role(ctx, ANY_OPERATOR)
         check_identifier(invocation_id, INVOCATION_ID, "invocation_id")

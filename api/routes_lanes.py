@@ -55,7 +55,7 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
         except trio.TooSlowError:
             raise ApiError(503, "lane_timeout", "the lane did not answer in time") from None
         finally:
-            ctx.metrics.lane_work_seconds.labels(type(work).__name__).observe(
+            ctx.metrics.lane_work_seconds.labels(type(work).__struct_config__.tag).observe(
                 trio.current_time() - started
             )
         return json_response(reply)

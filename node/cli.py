@@ -77,10 +77,22 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
 
     try:
         trio.run(main)
-    except StartupError as exc:
-        print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
+    except (StartupError, BaseExceptionGroup) as raised:
+        # Nurseries wrap errors in groups; a start-up refusal alone is one clear line.
+        startup, rest = (
+            raised.split(StartupError) if isinstance(raised, BaseExceptionGroup) else (raised, None)
+        )
+        if startup is None or rest is not None:
+            raise
+        print(f"{PROG}: cannot start: {_first_leaf(startup)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
 
 
 def _announce_dev(url: str, daemon: Any) -> None:

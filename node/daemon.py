@@ -78,6 +78,11 @@ def open_secrets(
         raise StartupError(str(exc)) from exc
 
 
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 class Daemon:
     """One node daemon. `await nursery.start(daemon.run)` returns the bound URL."""
 
@@ -115,6 +120,18 @@ class Daemon:
                 self.stop.set()
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until `stop`; a start-up that cannot proceed raises a bare StartupError
+        (not wrapped in the nurseries' exception groups) so callers can name it."""
+        try:
+            await self._run(task_status)
+        except BaseExceptionGroup as group:
+            startup, rest = group.split(StartupError)
+            if startup is None or rest is not None:
+                raise
+            first = _first_leaf(startup)
+            raise first from first.__cause__
+
+    async def _run(self, task_status: trio.TaskStatus[str]) -> None:
         app = create_app(self.context)
         async with trio.open_nursery() as outer:
             if self._handle_signals and threading.current_thread() is threading.main_thread():

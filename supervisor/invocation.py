@@ -8,6 +8,7 @@ import msgspec
 import trio
 
 from node.ledger import Reservation
+from node.snapshot import rfc3339
 from supervisor.lifecycle import Ending, next_state
 from supervisor.output import OutputRing
 from supervisor.wire import (
@@ -25,7 +26,8 @@ TAIL_CHARS = 4096
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+    """RFC 3339 in UTC, written as snapshots write it."""
+    return rfc3339(datetime.datetime.now(datetime.UTC))
 
 
 class Invocation:

@@ -1,0 +1,160 @@
+"""Lane work with capability tokens, and drain/resume, over real HTTP."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import httpx
+import msgspec
+
+from api.errors import ErrorEnvelope
+from node.lanes import LaneKind
+from supervisor.lane_work import LaneWorkReply
+from tests.api_fixtures import (
+    RunningDaemon,
+    bearer,
+    builtin_request,
+    get_snapshot,
+    running_daemon,
+    settled_snapshot,
+)
+
+GiB = 2**30
+
+
+def error_code(reply: httpx.Response) -> str:
+    return msgspec.json.decode(reply.content, type=ErrorEnvelope).error.code
+
+
+def gpu_request(invocation_id: str, vram: int = GiB, **fields: Any) -> dict[str, Any]:
+    return builtin_request(
+        invocation_id,
+        args={"seconds": 60},
+        requirement="gpu",
+        resources={"cpu_millis": 100, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": vram},
+        **fields,
+    )
+
+
+async def submit(client: httpx.AsyncClient, node: RunningDaemon, body: dict[str, Any]) -> Any:
+    reply = await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+    assert reply.status_code == 202, reply.text
+    return reply.json()
+
+
+async def test_token_holder_reserves_memory_and_executes(tmp_path: pathlib.Path) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        accepted = await submit(client, node, gpu_request("g1"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        reserve = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "memory_reserve", "bytes": 2**20},
+            headers=bearer(token),
+        )
+        assert reserve.status_code == 200, reserve.text
+        reply = msgspec.json.decode(reserve.content, type=LaneWorkReply)
+        assert reply.buffer_id is not None and reply.buffer_id.startswith("buf_")
+        assert reply.invocation_id == "g1" and reply.bytes_held == 2**20
+        noop = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "execute", "kernel": "noop"},
+            headers=bearer(token),
+        )
+        assert noop.status_code == 200 and noop.json()["result"] == {}
+        release = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "memory_release", "buffer_id": reply.buffer_id},
+            headers=bearer(token),
+        )
+        assert release.status_code == 200 and release.json()["bytes_held"] == 0
+        # More VRAM than the token grants: what it may do, so 403.
+        over = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "memory_reserve", "bytes": 2 * GiB},
+            headers=bearer(token),
+        )
+        assert over.status_code == 403 and error_code(over) == "vram_over_budget"
+
+
+async def test_missing_garbage_and_foreign_tokens_are_refused(tmp_path: pathlib.Path) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        snapshot = await settled_snapshot(client, node.scheduler)
+        cpu_lane = next(lane.lane_id for lane in snapshot.lanes if lane.kind is LaneKind.CPU)
+        accepted = await submit(client, node, gpu_request("g2"))
+        gpu_lane, token = next(iter(accepted["tokens"].items()))
+        noop = {"op": "execute", "kernel": "noop"}
+        missing = await client.post(f"/v1/lanes/{gpu_lane}/work", json=noop)
+        assert missing.status_code == 401 and error_code(missing) == "missing_token"
+        assert "WWW-Authenticate" in missing.headers
+        garbage = await client.post(
+            f"/v1/lanes/{gpu_lane}/work", json=noop, headers=bearer("v4.public.garbage")
+        )
+        assert garbage.status_code == 401
+        # A valid token for another lane: who it is is fine, where it may act is not.
+        foreign = await client.post(f"/v1/lanes/{cpu_lane}/work", json=noop, headers=bearer(token))
+        assert foreign.status_code == 403 and error_code(foreign) == "wrong_audience"
+        bad_lane = await client.post("/v1/lanes/..%2F/work", json=noop, headers=bearer(token))
+        assert bad_lane.status_code == 404 and error_code(bad_lane) == "not_found"
+        unknown = await client.post(
+            "/v1/lanes/lane_0000000000000000/work", json=noop, headers=bearer(token)
+        )
+        assert unknown.status_code == 404 and error_code(unknown) == "unknown_lane"
+
+
+async def test_tokens_are_revoked_when_the_invocation_ends(tmp_path: pathlib.Path) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        accepted = await submit(client, node, gpu_request("g3"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        noop = {"op": "execute", "kernel": "noop"}
+        ok = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token))
+        assert ok.status_code == 200
+        ended = await client.delete("/v1/invocations/g3", headers=bearer(node.scheduler))
+        assert ended.json()["state"] == "cancelled"
+        revoked = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token))
+        assert revoked.status_code == 401 and error_code(revoked) == "revoked"
+
+
+async def test_drain_is_admin_only_and_blocks_admission_until_resume(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        snapshot = await settled_snapshot(client, node.scheduler)
+        cpu_lane = next(lane.lane_id for lane in snapshot.lanes if lane.kind is LaneKind.CPU)
+        forbidden = await client.post(f"/v1/lanes/{cpu_lane}/drain", headers=bearer(node.scheduler))
+        assert forbidden.status_code == 403 and error_code(forbidden) == "forbidden"
+        anonymous = await client.post(f"/v1/lanes/{cpu_lane}/drain")
+        assert anonymous.status_code == 401
+        drained = await client.post(f"/v1/lanes/{cpu_lane}/drain", headers=bearer(node.admin))
+        assert drained.status_code == 200
+        assert drained.json() == {"lane_id": cpu_lane, "drained": True}
+        lane_now = {lane.lane_id: lane for lane in (await get_snapshot(client, node.admin)).lanes}
+        assert lane_now[cpu_lane].drained
+        refused = await client.post(
+            "/v1/invocations", json=builtin_request("cpu-1"), headers=bearer(node.scheduler)
+        )
+        assert refused.status_code == 409 and error_code(refused) == "lane_drained"
+        resumed = await client.post(f"/v1/lanes/{cpu_lane}/resume", headers=bearer(node.admin))
+        assert resumed.status_code == 200 and resumed.json()["drained"] is False
+        again = await client.post(
+            "/v1/invocations", json=builtin_request("cpu-1"), headers=bearer(node.scheduler)
+        )
+        assert again.status_code == 202, again.text
+        unknown = await client.post(
+            "/v1/lanes/lane_0000000000000000/drain", headers=bearer(node.admin)
+        )
+        assert unknown.status_code == 404 and error_code(unknown) == "unknown_lane"
+        malformed = await client.post("/v1/lanes/not-a-lane/drain", headers=bearer(node.admin))
+        assert malformed.status_code == 400 and error_code(malformed) == "invalid_identifier"

@@ -1,0 +1,96 @@
+"""`litegraph-node run -- CMD` against a `dev` daemon, both as real subprocesses."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import httpx
+import psutil  # type: ignore[import-untyped,unused-ignore]
+import pytest
+
+from api.auth import load_auth
+from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
+
+DEV_LISTENING = r"dev: listening on (http://\S+)"
+
+
+@pytest.fixture
+def dev_node(tmp_path: pathlib.Path) -> Iterator[tuple[str, dict[str, str], int]]:
+    """A `dev` daemon on loopback port 0; yields its URL, the env `run` needs, its pid."""
+    env = clean_env(LITEGRAPH_NODE_STATE_DIR=str(tmp_path / "state"))
+    with spawned(node_command("dev", "--listen", "127.0.0.1:0"), env) as proc:
+        url = wait_for_line(proc, DEV_LISTENING)
+        yield url, env, proc.pid
+        assert stop(proc, signal.SIGINT) == 0
+
+
+def test_run_prints_output_and_exits_with_the_commands_status(
+    dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
+) -> None:
+    url, env, _ = dev_node
+    result = subprocess.run(
+        node_command("run", "--url", url, "--", "sh", "-c", "echo hi; exit 3"),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert result.stdout == "hi\n", result.stderr
+    assert result.returncode == 3, result.stderr
+    assert "failed (nonzero_exit)" in result.stderr
+
+
+def test_run_exits_0_when_the_command_succeeds(
+    dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
+) -> None:
+    url, env, _ = dev_node
+    result = subprocess.run(
+        node_command("run", "--url", url, "--", "sh", "-c", "printf 'a\\nb\\n'; echo err >&2"),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "a\nb\n"
+    assert "err\n" in result.stderr
+
+
+def test_sigint_cancels_the_invocation(
+    dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
+) -> None:
+    url, env, daemon_pid = dev_node
+    with spawned(node_command("run", "--url", url, "--", "sleep", "60"), env) as run:
+        invocation_id = wait_for_line(run, r"(run-[0-9a-f]+): running")
+        assert stop(run, signal.SIGINT) == 130
+    secret = load_auth(tmp_path / "state" / "auth.json").scheduler
+    reply = httpx.get(
+        f"{url}/v1/invocations/{invocation_id}",
+        headers={"Authorization": f"Bearer {secret}"},
+        timeout=10,
+    )
+    assert reply.status_code == 200
+    assert reply.json()["state"] == "cancelled"
+    assert reply.json()["reason"] == "cancel_requested"
+    # Cancelled means the process is gone: the daemon has no child left.
+    assert psutil.Process(daemon_pid).children(recursive=True) == []
+
+
+def test_run_without_a_node_fails_with_one_clear_line(tmp_path: pathlib.Path) -> None:
+    result = subprocess.run(
+        node_command("run", "--", "true"),
+        capture_output=True,
+        text=True,
+        env=clean_env(LITEGRAPH_NODE_STATE_DIR=str(tmp_path / "nothing")),
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "is `litegraph-node dev` running?" in result.stderr
