@@ -42,6 +42,8 @@ async def decode_body(wire_type: Any) -> Any:
         raise ApiError(422, "invalid_request", str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, "malformed_json", str(exc)) from None
+    except RecursionError:
+        raise ApiError(400, "malformed_json", "JSON nested too deeply") from None
 
 
 def check_identifier(value: str, pattern: re.Pattern[str], what: str) -> str:

@@ -51,7 +51,8 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
                 status, refused.reason.value, f"capability token refused: {refused.reason.value}"
             ) from None
         except LaneWorkError as failed:
-            raise ApiError(failed.status, failed.code, str(failed)) from None
+            retry = {"Retry-After": "1"} if failed.status == 429 else None
+            raise ApiError(failed.status, failed.code, str(failed), headers=retry) from None
         except trio.TooSlowError:
             raise ApiError(503, "lane_timeout", "the lane did not answer in time") from None
         finally:

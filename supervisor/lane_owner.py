@@ -173,7 +173,7 @@ class LaneOwner:
                 status = 503 if exc.code == "lane_unhealthy" else 422
                 job.error = LaneWorkError(status, exc.code, str(exc))
             except BaseException:
-                job.error = LaneWorkError(500, "lane_owner_crashed", "the lane owner failed")
+                job.error = LaneWorkError(503, "lane_owner_crashed", "the lane owner failed")
                 raise
             finally:
                 job.done.set()

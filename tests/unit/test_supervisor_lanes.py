@@ -257,7 +257,7 @@ async def test_a_crashing_executor_restarts_the_owner(
         owner = rig.sup.owners[lane_id]
         with pytest.raises(LaneWorkError) as crashed:
             await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
-        assert (crashed.value.status, crashed.value.code) == (500, "lane_owner_crashed")
+        assert (crashed.value.status, crashed.value.code) == (503, "lane_owner_crashed")
         assert len(owner.restarts) == 1 and not owner.faulted
         reply = await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
         assert reply.result == {}

@@ -1,0 +1,358 @@
+"""Faults: the daemon killed mid-run, a lane owner that crashes, NVML failing mid-run,
+and a scheduler that cannot be reached. Each ends with nothing leaked and nothing
+reported healthier than it is."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import psutil  # type: ignore[import-untyped]
+import pytest
+import trio
+
+import node.daemon
+from node.journal import JOURNAL_FILENAME, Journal
+from node.lanes import Lane
+from node.monitor import probe_once
+from supervisor.lane_work import SimulatedExecutor
+from tests.adversarial.fixtures import (
+    GiB,
+    Node,
+    bearer,
+    descendants,
+    error_code,
+    gpu_request,
+    running_node,
+    sleep_request,
+    subprocess_node,
+    wait_for_state,
+)
+from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
+from tests.helpers import stop
+
+pytestmark = pytest.mark.hostile("faults")
+
+
+# --- SIGKILL: the journal holds exactly what was acknowledged ---------------------------
+
+
+def _process(invocation_id: str) -> dict[str, Any]:
+    return {
+        "id": invocation_id,
+        "work": {"kind": "process", "argv": ["/bin/sh", "-c", "sleep 300 & sleep 300"]},
+        "resources": {"cpu_millis": 100, "memory_bytes": 256 * 2**20},
+    }
+
+
+def _journal_copy(state: pathlib.Path, into: pathlib.Path) -> tuple[set[str], set[int]]:
+    """Replay a copy of the journal (replay may truncate a torn tail: not the original)."""
+    into.mkdir(mode=0o700)
+    shutil.copy2(state / JOURNAL_FILENAME, into / JOURNAL_FILENAME)
+    os.chmod(into / JOURNAL_FILENAME, 0o600)
+    journal, replay = Journal.open(into, durable=False)
+    journal.close()
+    return set(replay.reservations), set(replay.processes)
+
+
+def test_faults_sigkill_journal_holds_every_acknowledged_grant_then_restart_releases_all(
+    tmp_path: pathlib.Path,
+) -> None:
+    state = tmp_path / "state"
+    ids = ["p-1", "p-2", "b-1", "b-2", "g-1"]
+    with (
+        subprocess_node(state) as (proc, url, op),
+        httpx.Client(base_url=url, headers=op, timeout=10) as client,
+    ):
+        baseline = client.get("/v1/snapshot").json()["capacity"]
+        for body in (
+            _process("p-1"),
+            _process("p-2"),
+            sleep_request("b-1"),
+            sleep_request("b-2"),
+            gpu_request("g-1"),
+        ):
+            reply = client.post("/v1/invocations", json=body)
+            assert reply.status_code == 202, reply.text
+        deadline = time.monotonic() + 10
+        while len(descendants(proc.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        orphans = descendants(proc.pid)
+        assert len(orphans) >= 4
+        # Give the process-started records their moment (journaled beside the run).
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    reservations, pids = _journal_copy(state, tmp_path / "copy")
+    assert reservations == set(ids), "every 202 was journaled before it was answered"
+    assert len(pids) == 2 and pids <= {o.pid for o in orphans}  # the two shells
+
+    with (
+        subprocess_node(state) as (proc, url, op),
+        httpx.Client(base_url=url, headers=op, timeout=10) as client,
+    ):
+        _gone, alive = psutil.wait_procs(orphans, timeout=10)
+        assert not alive, f"orphans left running: {alive}"
+        assert client.get("/v1/snapshot").json()["capacity"] == baseline
+        listed = client.get("/v1/invocations").json()["invocations"]
+        assert listed == []  # invocations do not survive a restart; nothing half-alive
+        # The same ids are free again: no duplicate_reservation left behind.
+        again = client.post("/v1/invocations", json=sleep_request("b-1"))
+        assert again.status_code == 202, again.text
+        assert client.delete("/v1/invocations/b-1").json()["state"] == "cancelled"
+        assert stop(proc, signal.SIGTERM) == 0
+    reservations, pids = _journal_copy(state, tmp_path / "copy2")
+    assert reservations == set() and pids == set()
+
+
+# --- lane owner crashes --------------------------------------------------------------------
+
+
+class CrashingExecutor:
+    """The simulated executor, except that kernel `crash` raises inside the owner."""
+
+    def __init__(self, lane_usable: Any) -> None:
+        self._inner = SimulatedExecutor(lane_usable)
+
+    async def execute(self, lane: Lane, kernel: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        if kernel == "crash":
+            raise RuntimeError("executor blew up")
+        return await self._inner.execute(lane, kernel, args)
+
+
+def _faulted(owner: Any) -> bool:
+    return bool(owner.faulted)
+
+
+@pytest.fixture
+def crashing_executor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node.daemon, "SimulatedExecutor", CrashingExecutor)
+
+
+def _vram(capacity: dict[str, Any], lane: str) -> dict[str, Any]:
+    return next(v for v in capacity["vram_bytes"] if v["lane_id"] == lane)
+
+
+async def test_faults_lane_owner_crash_restarts_then_faults_lane_past_intensity(
+    tmp_path: pathlib.Path, crashing_executor: None
+) -> None:
+    async with running_node(tmp_path) as running:
+        baseline = await running.capacity()
+        accepted = await running.submit(gpu_request("victim"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        sup = running.daemon.supervisor
+        assert sup is not None
+        owner = sup.owners[lane]
+        crash = {"op": "execute", "kernel": "crash"}
+        noop = {"op": "execute", "kernel": "noop"}
+        work = f"/v1/lanes/{lane}/work"
+        limit = owner._max_restarts
+        for _ in range(limit):
+            reply = await running.client.post(work, json=crash, headers=bearer(token))
+            assert reply.status_code in (500, 503) and error_code(reply) == "lane_owner_crashed"
+            # Restarted: the next piece of work is served.
+            assert (await running.client.post(work, json=noop, headers=bearer(token))).is_success
+        assert not _faulted(owner)
+        reply = await running.client.post(work, json=crash, headers=bearer(token))
+        assert reply.status_code in (500, 503)
+        assert _faulted(owner)
+        after = await running.client.post(work, json=noop, headers=bearer(token))
+        assert after.status_code in (401, 503), after.text  # revoked or lane_unhealthy
+        status = await wait_for_state(running, "victim")
+        assert (status["state"], status["reason"]) == ("cancelled", "lane_unhealthy")
+        snapshot = await running.snapshot()
+        lane_view = next(item for item in snapshot["lanes"] if item["lane_id"] == lane)
+        assert lane_view["health"] != "healthy"
+        capacity = snapshot["capacity"]
+        assert _vram(capacity, lane)["allocatable"] == 0
+        assert _vram(capacity, lane)["allocated"] == 0
+        assert capacity["gpus"]["allocatable"] == baseline["gpus"]["allocatable"] - 1
+        assert capacity["cpu_millis"] == baseline["cpu_millis"]
+        assert running.live_tokens() == 0 and running.ledger_reservations() == set()
+        # New GPU work never lands on the faulted lane.
+        for index in range(3):
+            placed = await running.client.post(
+                "/v1/invocations", json=gpu_request(f"after-{index}"), headers=running.op
+            )
+            if placed.status_code == 202:
+                assert lane not in placed.json()["tokens"]
+            else:
+                assert placed.status_code == 409, placed.text
+
+
+async def test_faults_lane_owner_crash_answers_a_documented_status(
+    tmp_path: pathlib.Path, crashing_executor: None
+) -> None:
+    async with running_node(tmp_path) as running:
+        accepted = await running.submit(gpu_request("victim"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        reply = await running.client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "execute", "kernel": "crash"},
+            headers=bearer(token),
+        )
+        assert reply.status_code == 503
+
+
+# --- NVML failing mid-run --------------------------------------------------------------------
+
+
+def _fake_nvml() -> FakeNvml:
+    return FakeNvml(
+        [
+            FakeGpu(uuid="GPU-aaaa", memory_total=40 * GiB),
+            FakeGpu(uuid="GPU-bbbb", memory_total=40 * GiB, pci_bus_id="00000000:02:00.0"),
+        ]
+    )
+
+
+async def _probe(running: Node) -> dict[str, str]:
+    machine = running.daemon.machine
+    assert machine is not None and machine.inventory.source is not None
+    await probe_once(machine.inventory.source, machine.health, ledger=machine.ledger)
+    snapshot = await running.snapshot()
+    return {d["device_id"]: d["health"] for d in snapshot["devices"]}
+
+
+def _device_lane(snapshot: dict[str, Any], device: str) -> str:
+    return str(next(lane["lane_id"] for lane in snapshot["lanes"] if lane["device_id"] == device))
+
+
+async def test_faults_gpu_lost_mid_run_leaves_allocatable_and_never_reads_healthy(
+    tmp_path: pathlib.Path,
+) -> None:
+    fake = _fake_nvml()
+    async with running_node(tmp_path, devices="nvml", pynvml_module=fake) as running:
+        assert (await _probe(running)) == {"GPU-aaaa": "healthy", "GPU-bbbb": "healthy"}
+        snapshot = await running.snapshot()
+        lane_a = _device_lane(snapshot, "GPU-aaaa")
+        accepted = await running.submit(gpu_request("on-a"))
+        victim_lane = next(iter(accepted["tokens"]))
+        victim_device = "GPU-aaaa" if victim_lane == lane_a else "GPU-bbbb"
+        gpu = next(g for g in fake.gpus if g.uuid == victim_device)
+        gpu.lost = True
+        seen = [(await _probe(running))[victim_device]]
+        assert seen[0] == "lost"
+        status = await wait_for_state(running, "on-a")
+        assert (status["state"], status["reason"]) == ("cancelled", "lane_unhealthy")
+        token = accepted["tokens"][victim_lane]
+        refused = await running.client.post(
+            f"/v1/lanes/{victim_lane}/work",
+            json={"op": "execute", "kernel": "noop"},
+            headers=bearer(token),
+        )
+        assert refused.status_code in (401, 503)
+        capacity = await running.capacity()
+        assert _vram(capacity, victim_lane)["allocatable"] == 0
+        assert capacity["gpus"]["allocatable"] == 1
+        # Still gone: stays lost. Back, but its readings fail: unknown. Never healthy early.
+        seen.append((await _probe(running))[victim_device])
+        gpu.lost = False
+        gpu.failing = {"nvmlDeviceGetTemperature"}
+        seen.append((await _probe(running))[victim_device])
+        seen.append((await _probe(running))[victim_device])
+        gpu.failing = set()
+        for _ in range(2):
+            seen.append((await _probe(running))[victim_device])
+        assert "healthy" not in seen, seen
+        assert seen[1] == "lost" and set(seen[2:]) <= {"unknown", "suspect", "lost"}
+        assert _vram(await running.capacity(), victim_lane)["allocatable"] == 0
+        placed = await running.client.post(
+            "/v1/invocations", json=gpu_request("after"), headers=running.op
+        )
+        assert placed.status_code == 202 and victim_lane not in placed.json()["tokens"]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetRemappedRows",
+        "uninitialised",
+    ],
+)
+async def test_faults_nvml_errors_mid_run_make_gpu_unknown_not_healthy(
+    tmp_path: pathlib.Path, failure: str
+) -> None:
+    fake = _fake_nvml()
+    async with running_node(tmp_path, devices="nvml", pynvml_module=fake) as running:
+        assert set((await _probe(running)).values()) == {"healthy"}
+        baseline = await running.capacity()
+        if failure == "uninitialised":
+            fake.initialised = False  # every call raises NVMLError_Uninitialized
+        else:
+            fake.gpus[0].failing = {failure}
+        health = await _probe(running)
+        if failure == "uninitialised":
+            assert set(health.values()) <= {"unknown", "lost"}
+        else:
+            assert health["GPU-aaaa"] in ("unknown", "lost") and health["GPU-bbbb"] == "healthy"
+        capacity = await running.capacity()
+        broken = [d for d, h in health.items() if h != "healthy"]
+        snapshot = await running.snapshot()
+        for device in broken:
+            assert _vram(capacity, _device_lane(snapshot, device))["allocatable"] == 0
+        assert capacity["gpus"]["allocatable"] == baseline["gpus"]["allocatable"] - len(broken)
+        assert capacity["cpu_millis"] == baseline["cpu_millis"]
+
+
+# --- scheduler unreachable ------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def _snapshot_latencies(running: Node, reads: int) -> list[float]:
+    took = []
+    for _ in range(reads):
+        started = trio.current_time()
+        reply = await running.client.get("/v1/snapshot", headers=running.op)
+        took.append(trio.current_time() - started)
+        assert reply.status_code == 200
+        await trio.sleep(0.01)
+    return took
+
+
+async def test_faults_scheduler_closed_port_snapshot_stays_fast(tmp_path: pathlib.Path) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/telemetry"
+    async with running_node(
+        tmp_path, "--scheduler-url", url, "--telemetry-interval", "0.05"
+    ) as running:
+        assert (await running.client.get("/readyz")).status_code == 200
+        took = await _snapshot_latencies(running, 50)
+        assert max(took) < 0.5, max(took)
+        telemetry = running.daemon.telemetry
+        assert telemetry is not None and telemetry.failures >= 1 and telemetry.sent == 0
+
+
+async def test_faults_scheduler_blackhole_snapshot_stays_fast(tmp_path: pathlib.Path) -> None:
+    """A scheduler that accepts connections and never answers."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    try:
+        async with running_node(
+            tmp_path,
+            "--scheduler-url",
+            f"http://127.0.0.1:{port}/telemetry",
+            "--telemetry-interval",
+            "0.05",
+        ) as running:
+            took = await _snapshot_latencies(running, 50)
+            assert max(took) < 0.5, max(took)
+            assert (await running.client.get("/readyz")).status_code == 200
+    finally:
+        listener.close()

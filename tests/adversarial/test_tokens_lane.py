@@ -1,0 +1,272 @@
+"""Hostile capability tokens at the lane edge: POST /v1/lanes/{lane}/work of a real daemon.
+
+Each refusal is 401 (who the token is) or 403 (what it may do) with the typed
+reason as the error code, and leaves the node exactly as it was: capacity,
+invocations, live tokens, lane memory, ledger and journal.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+import httpx
+import pyseto
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+from capabilities import paseto
+from capabilities.claims import from_unix
+from tests.adversarial.fixtures import (
+    GiB,
+    Node,
+    bearer,
+    claims_of,
+    craft,
+    error_code,
+    fresh_kid,
+    gpu_request,
+    kid_footer,
+    running_node,
+    sleep_request,
+    wait_for_state,
+)
+
+pytestmark = pytest.mark.hostile("tokens")
+
+NOOP = {"op": "execute", "kernel": "noop"}
+
+
+def _rfc3339(seconds: float) -> str:
+    return from_unix(seconds).isoformat().replace("+00:00", "Z")
+
+
+def _signing_key(node: Node) -> Ed25519PrivateKey:
+    sup = node.daemon.supervisor
+    assert sup is not None
+    return sup.tokens.keyring.signing_key()[1]
+
+
+def _node_id(node: Node) -> str:
+    sup = node.daemon.supervisor
+    assert sup is not None
+    return sup.tokens.node_id
+
+
+async def _work(node: Node, lane: str, token: str, body: dict[str, Any] = NOOP) -> httpx.Response:
+    return await node.client.post(f"/v1/lanes/{lane}/work", json=body, headers=bearer(token))
+
+
+def _variants(node: Node, token: str) -> dict[str, tuple[str, int, str]]:
+    """name -> (hostile token, status, code), all derived from one genuine GPU token."""
+    claims = claims_of(token)
+    footer = paseto.parse(token).footer
+    key = _signing_key(node)
+    node_id = _node_id(node)
+    rest = token[len(paseto.HEADER) :]
+    body, _, footer_text = rest.partition(".")
+    foreign, foreign_kid = fresh_kid()
+    pem = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+    v2 = pyseto.encode(pyseto.Key.new(2, "public", pem), claims, footer=footer).decode()
+    now = time.time()
+    expired = dict(claims, iat=_rfc3339(now - 600), nbf=_rfc3339(now - 600), exp=_rfc3339(now - 60))
+    future = dict(claims, iat=_rfc3339(now + 600), nbf=_rfc3339(now + 600), exp=_rfc3339(now + 900))
+    tampered = bytearray(paseto.parse(token).payload)
+    tampered[5] ^= 1
+    signature = paseto.parse(token).signature
+    tampered_token = (
+        paseto.HEADER + paseto.b64url_encode(bytes(tampered) + signature) + "." + footer_text
+    )
+    return {
+        "v4_local_header": ("v4.local." + rest, 401, "bad_header"),
+        "v3_public_header": ("v3.public." + rest, 401, "bad_header"),
+        "v2_public_genuine": (v2, 401, "bad_header"),
+        "foreign_key_our_kid": (
+            craft(foreign, claims, footer=footer, node_id=node_id),
+            401,
+            "bad_signature",
+        ),
+        "foreign_key_own_kid": (
+            craft(foreign, claims, footer=kid_footer(foreign_kid), node_id=node_id),
+            401,
+            "unknown_key",
+        ),
+        "no_footer": (paseto.HEADER + body, 401, "unknown_key"),
+        "tampered_payload": (tampered_token, 401, "bad_signature"),
+        "tampered_last_char": (
+            token[:-1] + ("A" if token[-1] != "A" else "B"),
+            401,
+            "bad_encoding",
+        ),
+        "padding": (paseto.HEADER + body + "==." + footer_text, 401, "bad_encoding"),
+        "standard_alphabet": (
+            paseto.HEADER + body.replace("-", "+").replace("_", "/") + "." + footer_text,
+            401,
+            "bad_encoding",
+        ),
+        "oversized": (token + "A" * (paseto.MAX_TOKEN_CHARS + 1 - len(token)), 401, "oversized"),
+        "other_node_implicit": (
+            craft(key, claims, footer=footer, node_id="some-other-node"),
+            401,
+            "bad_signature",
+        ),
+        "other_issuer": (
+            craft(key, dict(claims, iss="some-other-node"), footer=footer, node_id=node_id),
+            401,
+            "wrong_issuer",
+        ),
+        "expired": (craft(key, expired, footer=footer, node_id=node_id), 401, "expired"),
+        "not_yet_valid": (craft(key, future, footer=footer, node_id=node_id), 401, "not_yet_valid"),
+    }
+
+
+async def test_lane_hostile_tokens_refused_and_nothing_changes(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        accepted = await node.submit(gpu_request("holder"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        before = await node.state()
+        tried = 0
+        for name, (hostile, status, code) in _variants(node, token).items():
+            if hostile == token:
+                continue  # e.g. a token with no '-' or '_' has no standard-alphabet alias
+            for body in (NOOP, {"op": "memory_reserve", "bytes": 2**20}):
+                reply = await _work(node, lane, hostile, body)
+                assert (reply.status_code, error_code(reply)) == (status, code), (name, reply.text)
+                tried += 1
+        assert tried >= 28
+        assert await node.state() == before
+        # The genuine token still works: refusals poisoned nothing.
+        assert (await _work(node, lane, token)).status_code == 200
+
+
+async def test_lane_token_for_another_lane_refused_403(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        accepted = await node.submit(gpu_request("holder"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        others = [other for other in await node.lanes("mig") if other != lane]
+        before = await node.state()
+        for other in [*others, *(await node.lanes("cpu"))]:
+            for body in (NOOP, {"op": "memory_reserve", "bytes": 1}):
+                reply = await _work(node, other, token, body)
+                assert reply.status_code == 403 and error_code(reply) == "wrong_audience"
+        assert await node.state() == before
+
+
+async def test_lane_cpu_token_asking_memory_reserve_refused(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        accepted = await node.submit(sleep_request("cpu-holder"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        assert lane in await node.lanes("cpu")
+        before = await node.state()
+        reserve = await _work(node, lane, token, {"op": "memory_reserve", "bytes": 1})
+        assert reserve.status_code == 403 and error_code(reserve) == "op_not_granted"
+        release = await _work(
+            node, lane, token, {"op": "memory_release", "buffer_id": "buf_" + "0" * 32}
+        )
+        assert release.status_code == 403 and error_code(release) == "op_not_granted"
+        assert await node.state() == before
+
+
+async def test_lane_vram_beyond_budget_refused_cumulatively(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        accepted = await node.submit(gpu_request("vram", vram=GiB))
+        lane, token = next(iter(accepted["tokens"].items()))
+        half = await _work(node, lane, token, {"op": "memory_reserve", "bytes": GiB // 2})
+        assert half.status_code == 200
+        before = await node.state()
+        # Each ask fits alone; the sum would not: the budget covers what it would then hold.
+        over = await _work(node, lane, token, {"op": "memory_reserve", "bytes": GiB // 2 + 1})
+        assert over.status_code == 403 and error_code(over) == "vram_over_budget"
+        huge = await _work(node, lane, token, {"op": "memory_reserve", "bytes": 2**50})
+        assert huge.status_code == 403 and error_code(huge) == "vram_over_budget"
+        assert await node.state() == before
+        assert node.lane_bytes()[lane] == GiB // 2
+
+
+async def test_lane_buffer_theft_on_a_shared_lane_is_404(tmp_path: pathlib.Path) -> None:
+    """Two invocations pinned onto the one full GPU lane (the others drained)."""
+    async with running_node(tmp_path) as node:
+        gpu_lane = (await node.lanes("gpu"))[0]
+        for lane in await node.lanes("mig"):
+            assert (await node.client.post(f"/v1/lanes/{lane}/drain", headers=node.adm)).is_success
+        owner = await node.submit(gpu_request("owner", vram=GiB))
+        thief = await node.submit(gpu_request("thief", vram=GiB))
+        assert list(owner["tokens"]) == list(thief["tokens"]) == [gpu_lane]
+        reserve = await _work(
+            node, gpu_lane, owner["tokens"][gpu_lane], {"op": "memory_reserve", "bytes": 2**20}
+        )
+        buffer_id = reserve.json()["buffer_id"]
+        before = await node.state()
+        stolen = await _work(
+            node,
+            gpu_lane,
+            thief["tokens"][gpu_lane],
+            {"op": "memory_release", "buffer_id": buffer_id},
+        )
+        assert stolen.status_code == 404 and error_code(stolen) == "buffer_not_found"
+        guessed = await _work(
+            node,
+            gpu_lane,
+            thief["tokens"][gpu_lane],
+            {"op": "memory_release", "buffer_id": "buf_" + "f" * 32},
+        )
+        assert guessed.status_code == 404 and error_code(guessed) == "buffer_not_found"
+        assert await node.state() == before
+        mine = await _work(
+            node,
+            gpu_lane,
+            owner["tokens"][gpu_lane],
+            {"op": "memory_release", "buffer_id": buffer_id},
+        )
+        assert mine.status_code == 200 and mine.json()["bytes_held"] == 0
+
+
+async def test_lane_token_replayed_after_invocation_ended_refused(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        baseline = await node.state()
+        accepted = await node.submit(gpu_request("short", seconds=0.2))
+        lane, token = next(iter(accepted["tokens"].items()))
+        assert (await _work(node, lane, token, {"op": "memory_reserve", "bytes": 2**20})).is_success
+        assert (await wait_for_state(node, "short"))["state"] == "succeeded"
+        for body in (NOOP, {"op": "memory_reserve", "bytes": 1}):
+            replay = await _work(node, lane, token, body)
+            assert replay.status_code == 401 and error_code(replay) == "revoked"
+        after = await node.state()
+        assert after.capacity == baseline.capacity
+        assert after.live_tokens == baseline.live_tokens == 0
+        assert after.lane_bytes == baseline.lane_bytes
+        assert after.ledger == after.journal == frozenset()
+
+
+async def test_lane_token_replayed_after_cancel_refused(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        baseline = await node.state()
+        accepted = await node.submit(gpu_request("cancelled"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        assert (await _work(node, lane, token, {"op": "memory_reserve", "bytes": 2**20})).is_success
+        assert node.lane_bytes()[lane] == 2**20
+        ended = await node.client.delete("/v1/invocations/cancelled", headers=node.op)
+        assert ended.json()["state"] == "cancelled"
+        replay = await _work(node, lane, token)
+        assert replay.status_code == 401 and error_code(replay) == "revoked"
+        after = await node.state()
+        assert after.capacity == baseline.capacity and after.lane_bytes == baseline.lane_bytes
+        assert after.live_tokens == 0
+
+
+async def test_lane_operator_secret_is_not_a_capability(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        accepted = await node.submit(gpu_request("holder"))
+        lane = next(iter(accepted["tokens"]))
+        before = await node.state()
+        for secret in (node.admin, node.scheduler, "v4.public.", "null", "v4.public.."):
+            reply = await _work(node, lane, secret)
+            assert reply.status_code == 401, reply.text
+        for header in ("bearer x", "Basic YWRtaW46YWRtaW4=", "Bearer", "v4.public.x"):
+            reply = await node.client.post(
+                f"/v1/lanes/{lane}/work", json=NOOP, headers={"Authorization": header}
+            )
+            assert reply.status_code == 401, reply.text
+        assert await node.state() == before
