@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
 import pathlib
 import random
@@ -44,6 +45,9 @@ class Load:
         self.server_errors: list[str] = []
         self.ids = itertools.count()
         self.submitted: set[str] = set()
+        # HTTP workers stop between requests at this time: a request cancelled
+        # mid-flight would leave httpx's body generator unfinalised.
+        self.until = math.inf
 
     def record(self, what: str, reply: httpx.Response) -> httpx.Response:
         self.statuses[reply.status_code] += 1
@@ -65,14 +69,14 @@ class Load:
 
     # -- the workers ------------------------------------------------------------------------
     async def reader(self) -> None:
-        while True:
+        while trio.current_time() < self.until:
             self.record("snapshot", await self.client.get("/v1/snapshot", headers=self.op))
             if self.rng.random() < 0.2:
                 self.record("list", await self.client.get("/v1/invocations", headers=self.op))
             await trio.lowlevel.checkpoint()
 
     async def submitter(self) -> None:
-        while True:
+        while trio.current_time() < self.until:
             kind = self.rng.choice(["sleep", "echo", "fail", "process"])
             ident = self.new_id(kind)
             if kind == "process":
@@ -88,7 +92,7 @@ class Load:
             await trio.sleep(self.rng.uniform(0, 0.02))
 
     async def canceller(self) -> None:
-        while True:
+        while trio.current_time() < self.until:
             ident = self.new_id("cancel")
             body = {
                 "id": ident,
@@ -106,7 +110,7 @@ class Load:
                 await trio.sleep(0.05)
 
     async def lane_worker(self) -> None:
-        while True:
+        while trio.current_time() < self.until:
             ident = self.new_id("lane")
             body = {
                 "id": ident,
@@ -174,15 +178,17 @@ class Load:
 
 
 async def _run_load(load: Load, url: str, secret: str, seconds: float) -> None:
-    with trio.move_on_after(seconds):
-        async with trio.open_nursery() as nursery:
+    load.until = trio.current_time() + seconds
+    async with trio.open_nursery() as outer:
+        outer.start_soon(load.subscriber, url, secret)  # raw socket: safe to cancel
+        async with trio.open_nursery() as workers:
             for _ in range(3):
-                nursery.start_soon(load.reader)
+                workers.start_soon(load.reader)
             for _ in range(2):
-                nursery.start_soon(load.submitter)
-                nursery.start_soon(load.lane_worker)
-            nursery.start_soon(load.canceller)
-            nursery.start_soon(load.subscriber, url, secret)
+                workers.start_soon(load.submitter)
+                workers.start_soon(load.lane_worker)
+            workers.start_soon(load.canceller)
+        outer.cancel_scope.cancel()
 
 
 @pytest.mark.soak
