@@ -23,10 +23,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from api.auth import load_auth
 from capabilities import paseto
-from node.cli import COMMANDS
-from node.config import Config, build_config
+from node.config import Config
 from node.daemon import Daemon
-from node.flags import coerce, load_flag_table, parse_argv
+from tests.api_fixtures import daemon_config
 from tests.helpers import clean_env, node_command, spawned, wait_for_line
 
 START_SECONDS = 20.0
@@ -38,23 +37,7 @@ MiB = 2**20
 
 def config_for(tmp_path: pathlib.Path, *argv: str, devices: str = "sim") -> Config:
     """A Config exactly as `serve` builds it from argv: loopback, port 0, state in tmp."""
-    table = load_flag_table()
-    args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--state-dir",
-        str(tmp_path / "state"),
-        "--devices",
-        devices,
-        "--health-interval",
-        "3600",
-        "--shutdown-grace",
-        "0",
-        *argv,
-    ]
-    parsed = parse_argv(table, args, {}, tuple(COMMANDS))
-    return build_config(coerce(table.flags, parsed.values))
+    return daemon_config(tmp_path, *argv, devices=devices)
 
 
 @dataclasses.dataclass

@@ -9,24 +9,12 @@ import msgspec
 import trio
 
 from api.errors import ErrorEnvelope
-from node.cli import COMMANDS
-from node.config import Config, build_config
 from node.daemon import Daemon
-from node.flags import coerce, load_flag_table, parse_argv
-
-
-def test_config(tmp_path: pathlib.Path, *argv: str) -> Config:
-    table = load_flag_table()
-    args = ["serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--devices", "none"]
-    parsed = parse_argv(table, [*args, *argv], {}, tuple(COMMANDS))
-    return build_config(coerce(table.flags, parsed.values))
-
-
-test_config.__test__ = False  # type: ignore[attr-defined]
+from tests.api_fixtures import daemon_config
 
 
 async def test_probes_and_envelope_then_stop(tmp_path: pathlib.Path) -> None:
-    daemon = Daemon(test_config(tmp_path), handle_signals=False)
+    daemon = Daemon(daemon_config(tmp_path, devices="none"), handle_signals=False)
     async with trio.open_nursery() as nursery:
         url = await nursery.start(daemon.run)
         async with httpx.AsyncClient(base_url=url, timeout=5) as client:
