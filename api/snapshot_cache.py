@@ -1,8 +1,9 @@
 """The encoded snapshot, rebuilt only when state changed.
 
-Anything that changes what a snapshot shows calls `mark_changed()`; the
-next read rebuilds and re-encodes once (and the snapshot's `sequence`
-advances), every other read returns the same bytes. Reading under load
+Anything that changes what a snapshot shows calls `mark_changed()`, which
+counts the change; the next read rebuilds and re-encodes once, numbered with
+that count (so `sequence` rises with every change, even unread ones), and
+every other read returns the same bytes. Reading under load
 therefore costs a dictionary lookup, not a rebuild.
 """
 
@@ -18,20 +19,22 @@ __all__ = ["SnapshotCache"]
 
 
 class SnapshotCache:
-    def __init__(self, build: Callable[[], NodeSnapshot]) -> None:
+    def __init__(self, build: Callable[[int], NodeSnapshot]) -> None:
         self._build = build
+        self._changes = 1
         self._changed = True
         self._snapshot: NodeSnapshot | None = None
         self._encoded = b""
         self._encoder = msgspec.json.Encoder()
 
     def mark_changed(self) -> None:
+        self._changes += 1
         self._changed = True
 
     def _refresh(self) -> None:
         if self._changed or self._snapshot is None:
             self._changed = False
-            self._snapshot = self._build()
+            self._snapshot = self._build(self._changes)
             self._encoded = self._encoder.encode(self._snapshot)
 
     def current(self) -> NodeSnapshot:

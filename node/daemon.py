@@ -179,7 +179,7 @@ class Daemon:
                 self.readiness.block("devices", reason)
             else:
                 self.readiness.note("devices", reason)
-        snapshots = SnapshotCache(machine.snapshot)
+        snapshots = SnapshotCache(lambda changes: machine.snapshot(sequence=changes))
         events: EventHub[NodeEvent] = EventHub(EVENT_SUBSCRIBERS, EVENT_BUFFER)
         tokens = TokenService(machine.node_id, keyring, ttl=config.token_ttl)
         self.supervisor = supervisor = Supervisor(

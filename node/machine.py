@@ -218,8 +218,11 @@ class Machine:
                 functools.partial(self.journal.record_process_ended, reservation_id, pid)
             )
 
-    def snapshot(self, *, readiness_reasons: tuple[str, ...] = ()) -> NodeSnapshot:
-        self._sequence += 1
+    def snapshot(
+        self, *, sequence: int | None = None, readiness_reasons: tuple[str, ...] = ()
+    ) -> NodeSnapshot:
+        """A snapshot numbered `sequence` (the caller counts changes), or the next number."""
+        self._sequence = max(self._sequence + 1, sequence or 0)
         return build_snapshot(
             node_id=self.node_id,
             sequence=self._sequence,
