@@ -103,8 +103,16 @@ def _announce_dev(url: str, daemon: Any) -> None:
     print(f"  status page:  {url}/#token={secret}", file=sys.stderr)
     print(f"  token file:   {daemon.auth_path} (scheduler and admin secrets)", file=sys.stderr)
     print(f"  state folder: {daemon.config.state_dir}", file=sys.stderr)
-    print(f"  try:          {PROG} run -- sleep 2", file=sys.stderr)
+    print(f"  try:          {_how_to_call()} run -- sleep 2", file=sys.stderr)
     print("  Ctrl-C stops (a second Ctrl-C stops at once)\n", file=sys.stderr, flush=True)
+
+
+def _how_to_call() -> str:
+    """The command as the user can type it here (`make run` starts it from .venv/bin)."""
+    invoked = sys.argv[0]
+    if "/" in invoked and not invoked.endswith(".py"):
+        return os.path.relpath(invoked)
+    return PROG
 
 
 def _local_config(inv: Invocation) -> Config:
