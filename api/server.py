@@ -9,6 +9,8 @@ import hypercorn.trio
 import trio
 from quart_trio import QuartTrio
 
+from api.asgi_close import ShieldFinalSend
+
 __all__ = ["hypercorn_config", "serve_http"]
 
 
@@ -37,5 +39,8 @@ async def serve_http(
 ) -> None:
     """Serve until `shutdown` is set; `task_status` gets the bound addresses."""
     await hypercorn.trio.serve(
-        app, hypercorn_config(listen), shutdown_trigger=shutdown.wait, task_status=task_status
+        ShieldFinalSend(app),  # type: ignore[arg-type]
+        hypercorn_config(listen),
+        shutdown_trigger=shutdown.wait,
+        task_status=task_status,
     )

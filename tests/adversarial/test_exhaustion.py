@@ -419,12 +419,6 @@ async def test_exhaustion_body_drip_cut_by_body_timeout(
         assert await node.state() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KNOWN LIMITATION (hypercorn): after answering 408 with Connection: close the "
-    "server keeps the socket open for as long as the client keeps dripping bytes; with no "
-    "connection cap, drip clients hold sockets indefinitely (api/server.py has no limit)",
-)
 async def test_exhaustion_body_drip_hung_up_after_408(
     tmp_path: pathlib.Path, short_timeouts: None
 ) -> None:
