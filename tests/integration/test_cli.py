@@ -7,7 +7,10 @@ import signal
 import subprocess
 
 import httpx
+import msgspec
+import psutil
 
+from node.snapshot import NodeSnapshot
 from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
 
 LISTENING = r"listening on (http://\S+)"
@@ -78,3 +81,34 @@ def test_argv_listen_beats_environment_and_sigterm_stops(tmp_path: pathlib.Path)
         url = wait_for_line(proc, LISTENING)
         assert url.startswith("http://127.0.0.2:")
         assert stop(proc, signal.SIGTERM) == 0
+
+
+def _snapshot_of(*argv: str) -> NodeSnapshot:
+    result = run("snapshot", *argv)
+    assert result.returncode == 0, result.stderr
+    # Strict decoding: unknown fields, missing fields and wrong types all fail.
+    return msgspec.json.decode(result.stdout, type=NodeSnapshot)
+
+
+def test_snapshot_without_gpus_has_the_host_and_a_reason() -> None:
+    snapshot = _snapshot_of("--devices", "auto", "--node-id", "ws-1")
+    assert snapshot.node_id == "ws-1"
+    assert snapshot.cpu.logical_cores == psutil.cpu_count()
+    assert snapshot.memory.total_bytes <= psutil.virtual_memory().total
+    assert [lane.kind.value for lane in snapshot.lanes] == ["cpu"]
+    assert snapshot.devices == ()
+    assert any(r.startswith(("nvml_unavailable", "no_gpus")) for r in snapshot.readiness_reasons)
+
+
+def test_snapshot_of_the_simulated_workstation_has_gpu_and_mig_lanes() -> None:
+    snapshot = _snapshot_of("--devices", "sim")
+    kinds = sorted(lane.kind.value for lane in snapshot.lanes)
+    assert kinds == ["cpu", "gpu", "mig", "mig", "mig"]
+    assert len(snapshot.devices) == 2
+    assert snapshot.readiness_reasons == ()
+
+
+def test_snapshot_with_a_missing_sim_file_fails_clearly(tmp_path: pathlib.Path) -> None:
+    result = run("snapshot", "--devices", "sim", "--sim-file", str(tmp_path / "nope.toml"))
+    assert result.returncode == 1
+    assert "nope.toml" in result.stderr and "Traceback" not in result.stderr
