@@ -26,7 +26,6 @@ __all__ = [
 
 ANY_OPERATOR = frozenset({Role.scheduler, Role.admin})
 ADMIN = frozenset({Role.admin})
-INVOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LANE_ID = re.compile(r"^lane_[0-9a-f]{16}$")
 
 
@@ -47,7 +46,7 @@ async def decode_body(wire_type: Any) -> Any:
 
 
 def check_identifier(value: str, pattern: re.Pattern[str], what: str) -> str:
-    if not pattern.match(value):
+    if not pattern.fullmatch(value):
         raise ApiError(400, "invalid_identifier", f"not a valid {what}", {"field": what})
     return value
 

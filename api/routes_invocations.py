@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import trio
 from quart import Response
 from quart_trio import QuartTrio
 
@@ -11,7 +12,6 @@ from api.context import NodeContext
 from api.errors import ApiError
 from api.http import (
     ANY_OPERATOR,
-    INVOCATION_ID,
     check_identifier,
     decode_body,
     ready_supervisor,
@@ -20,7 +20,7 @@ from api.http import (
 from api.responses import json_response
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
-from supervisor.wire import InvocationList, InvocationRequest
+from supervisor.wire import INVOCATION_ID, InvocationList, InvocationRequest
 
 __all__ = ["register_invocation_routes"]
 
@@ -33,6 +33,13 @@ def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
         invocation: InvocationRequest = await decode_body(InvocationRequest)
         try:
             accepted = await sup.submit(invocation)
+        except trio.TooSlowError:
+            raise ApiError(
+                503,
+                "admission_timeout",
+                "the first submission of this id is still pending",
+                headers={"Retry-After": "1"},
+            ) from None
         except AdmissionRefused as refused:
             ctx.metrics.admission_refusals.labels(refused.reason).inc()
             headers = {}
@@ -66,5 +73,9 @@ def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
         try:
             # Answers only once everything the invocation held is released.
             return json_response(await ready_supervisor(ctx).cancel(invocation_id))
+        except trio.TooSlowError:
+            raise ApiError(
+                503, "cancel_timeout", "the invocation did not release in time; it is being killed"
+            ) from None
         except UnknownInvocation:
             raise ApiError(404, "unknown_invocation", "no such invocation") from None

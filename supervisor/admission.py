@@ -13,7 +13,7 @@ from typing import Any
 from node.ledger import RefusalReason, ReservationRefused
 from supervisor.builtins import BuiltinArgumentError, check_builtin
 from supervisor.process import InvalidProcessRequest, validate_argv, validate_env
-from supervisor.wire import BuiltinWork, InvocationRequest, ProcessWork
+from supervisor.wire import INVOCATION_ID, BuiltinWork, InvocationRequest, ProcessWork
 
 __all__ = ["AdmissionRefused", "check_request", "from_reservation_refusal"]
 
@@ -47,6 +47,10 @@ class AdmissionRefused(Exception):
 
 def check_request(request: InvocationRequest) -> None:
     """Refuse what cannot run, before a reservation or a token exists."""
+    # The wire pattern's `$` also matches before a final newline; ids reach logs,
+    # events and cgroup names, so the whole id must match.
+    if not INVOCATION_ID.fullmatch(request.id):
+        raise AdmissionRefused(422, "invalid_request", "id: not a valid invocation id")
     work = request.work
     try:
         if isinstance(work, ProcessWork):

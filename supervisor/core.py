@@ -15,7 +15,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-import msgspec
 import trio
 
 from capabilities import Isolation as TokenIsolation
@@ -32,6 +31,7 @@ from supervisor.invocation import Invocation, utc_now
 from supervisor.lane_owner import LaneOwner, LaneWorkError
 from supervisor.lane_work import LaneExecutor, LaneWorkReply, LaneWorkRequest
 from supervisor.lifecycle import TERMINAL, Ending
+from supervisor.process import ProcessStuck
 from supervisor.runner import run_work
 from supervisor.wire import (
     EventKind,
@@ -172,7 +172,7 @@ class Supervisor:
         self._live[inv.id] = inv  # claims the id while the reservation is journaled
         try:
             await self._admit(inv)
-            if self._stopped():  # the supervisor stopped while this was journaled
+            if self._stopped() or not self.accepting:  # stopped while this was journaled
                 with trio.CancelScope(shield=True):
                     self._revoke(inv)
                     await self.machine.release(inv.id)
@@ -200,7 +200,7 @@ class Supervisor:
         return self._nursery is None
 
     async def _resubmitted(self, inv: Invocation, request: InvocationRequest) -> SubmitResponse:
-        if msgspec.json.encode(request) != inv.encoded_request:
+        if request != inv.request:  # by value: key order in a dict does not matter
             raise AdmissionRefused(
                 409, "id_conflict", f"invocation {request.id} exists with a different request"
             )
@@ -313,6 +313,8 @@ class Supervisor:
                     inv.exit_code = await run_work(self, inv)
                 ending = Ending.succeed if inv.exit_code == 0 else Ending.fail
                 inv.reason = None if inv.exit_code == 0 else "nonzero_exit"
+        except ProcessStuck as exc:
+            ending, inv.reason, inv.stuck = Ending.fail, f"process_stuck: {exc}", True
         except Exception as exc:
             ending, inv.reason = Ending.fail, f"{type(exc).__name__}: {exc}"[:500]
         except BaseException:
@@ -332,11 +334,20 @@ class Supervisor:
             inv.finished.set()
 
     async def _release(self, inv: Invocation) -> None:
-        for grant in inv.reservation.lanes if inv.reservation else ():
+        grants = inv.reservation.lanes if inv.reservation else ()
+        for grant in grants:
             owner = self.owners.get(grant.lane_id)
             if owner is not None:
                 owner.free_invocation(inv.id)
         self._revoke(inv)
+        if inv.stuck:
+            # A process that survived SIGKILL still holds its devices: keep the
+            # reservation (a restart's reconcile keeps it too) and fault its GPU lanes.
+            log.error("%s: process %s survived SIGKILL; its resources stay held", inv.id, inv.pid)
+            for grant in grants:
+                if grant.kind is not LaneKind.CPU:
+                    self._lane_faulted(grant.lane_id)
+            return
         await self.machine.release(inv.id)
         if inv.pid is not None:
             with trio.move_on_after(self.kill_grace):

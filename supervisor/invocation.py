@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 
-import msgspec
 import trio
 
 from node.ledger import Reservation
@@ -43,6 +42,7 @@ class Invocation:
         self.tokens: dict[str, str] = {}
         self.exit_code: int | None = None
         self.pid: int | None = None
+        self.stuck = False  # its process survived SIGKILL: its resources stay held
         self.submitted_at = utc_now()
         self.started_at: str | None = None
         self.ended_at: str | None = None
@@ -51,7 +51,6 @@ class Invocation:
         self.admitted = trio.Event()  # set once admission succeeded or failed
         self.finished = trio.Event()  # set once released and terminal
         self.pid_recorded = trio.Event()
-        self.encoded_request = msgspec.json.encode(request)
 
     @property
     def id(self) -> str:

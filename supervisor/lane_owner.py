@@ -59,6 +59,8 @@ class _Job:
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     reply: LaneWorkReply | None = None
     error: Exception | None = None
+    abandoned: bool = False  # the caller stopped waiting: skip it, or undo a reserve
+    invocation_id: str | None = None  # known once the token is validated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +97,7 @@ class LaneOwner:
         self.restarts: deque[float] = deque(maxlen=max_restarts + 1)
         self.faulted = False
         self.stopped = False
+        self._current: tuple[trio.CancelScope, _Job] | None = None
 
     # -- what other tasks call ------------------------------------------------------
     async def request(self, token: str, work: LaneWorkRequest) -> LaneWorkReply:
@@ -109,7 +112,10 @@ class LaneOwner:
             self._send.send_nowait(job)
         except trio.WouldBlock:
             raise LaneBusy(self.lane.lane_id) from None
-        await job.done.wait()
+        try:
+            await job.done.wait()
+        finally:
+            job.abandoned = not job.done.is_set()
         if job.error is not None:
             raise job.error
         assert job.reply is not None
@@ -123,7 +129,12 @@ class LaneOwner:
         return sum(self._held.values())
 
     def free_invocation(self, invocation_id: str) -> int:
-        """Drop every buffer of an ended invocation; synchronous so cleanup cannot skip it."""
+        """Stop the invocation's running work and drop its buffers; synchronous so
+        cleanup cannot skip it. Nothing of the invocation outlives it on the lane."""
+        if self._current is not None and self._current[1].invocation_id == invocation_id:
+            scope, job = self._current
+            job.error = LaneWorkError(409, "invocation_not_live", "the invocation has ended")
+            scope.cancel()
         freed = self._held.pop(invocation_id, 0)
         for buffer_id in [
             b for b, buf in self._buffers.items() if buf.invocation_id == invocation_id
@@ -165,24 +176,43 @@ class LaneOwner:
     async def _serve(self) -> None:
         while True:
             job = await self._receive.receive()
-            try:
-                job.reply = await self._handle(job.token, job.work)
-            except (LaneWorkError, TokenRefused) as exc:
-                job.error = exc
-            except KernelError as exc:
-                status = 503 if exc.code == "lane_unhealthy" else 422
-                job.error = LaneWorkError(status, exc.code, str(exc))
-            except BaseException:
-                job.error = LaneWorkError(503, "lane_owner_crashed", "the lane owner failed")
-                raise
-            finally:
+            if job.abandoned:  # its caller gave up while it was queued
                 job.done.set()
+                continue
+            with trio.CancelScope() as scope:
+                self._current = (scope, job)
+                try:
+                    job.reply = await self._handle(job)
+                except (LaneWorkError, TokenRefused) as exc:
+                    job.error = exc
+                except KernelError as exc:
+                    status = 503 if exc.code == "lane_unhealthy" else 422
+                    job.error = LaneWorkError(status, exc.code, str(exc))
+                except trio.Cancelled:
+                    if job.error is None:  # not ended by free_invocation: shutdown
+                        job.error = LaneWorkError(503, "shutting_down", "the lane owner stopped")
+                    raise
+                except BaseException:
+                    job.error = LaneWorkError(503, "lane_owner_crashed", "the lane owner failed")
+                    raise
+                finally:
+                    self._current = None
+                    job.done.set()
+            self._undo_unclaimed_reserve(job)
 
-    async def _handle(self, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+    def _undo_unclaimed_reserve(self, job: _Job) -> None:
+        """A reserve whose caller left while it ran: nobody got the buffer id, so
+        nobody could release it; undo it."""
+        if job.abandoned and job.reply is not None and isinstance(job.work, MemoryReserve):
+            assert job.reply.buffer_id is not None
+            self._drop_buffer(job.reply.buffer_id)
+
+    async def _handle(self, job: _Job) -> LaneWorkReply:
+        token, work = job.token, job.work
         lane_id = self.lane.lane_id
         op = _OPS.get(type(work), LaneOp.EXECUTE)
         claims = self._validator.validate(token, lane_id=lane_id, op=op)
-        sub = claims.sub
+        sub = job.invocation_id = claims.sub
         held = self._held.get(sub, 0)
         if isinstance(work, MemoryReserve):  # the budget covers what it would then hold
             self._validator.validate(token, lane_id=lane_id, op=op, vram_bytes=held + work.bytes)
@@ -213,13 +243,17 @@ class LaneOwner:
         # Another invocation's buffer looks exactly like a missing one.
         if buffer is None or buffer.invocation_id != reply.invocation_id:
             raise LaneWorkError(404, "buffer_not_found", "no such buffer for this invocation")
-        del self._buffers[buffer_id]
-        held = reply.bytes_held - buffer.nbytes
-        if held:
-            self._held[reply.invocation_id] = held
+        return _replace(reply, buffer_id=buffer_id, bytes_held=self._drop_buffer(buffer_id))
+
+    def _drop_buffer(self, buffer_id: str) -> int:
+        """Forget a buffer; returns what its invocation still holds on this lane."""
+        buffer = self._buffers.pop(buffer_id)
+        held = self._held.get(buffer.invocation_id, 0) - buffer.nbytes
+        if held > 0:
+            self._held[buffer.invocation_id] = held
         else:
-            self._held.pop(reply.invocation_id, None)
-        return _replace(reply, buffer_id=buffer_id, bytes_held=held)
+            self._held.pop(buffer.invocation_id, None)
+        return max(0, held)
 
 
 def _replace(reply: LaneWorkReply, **changes: object) -> LaneWorkReply:

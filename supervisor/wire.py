@@ -6,6 +6,7 @@ their JSON Schemas are checked in under api/contracts/.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ import msgspec
 from node.lanes import Isolation, Requirement
 
 __all__ = [
+    "INVOCATION_ID",
     "BuiltinWork",
     "EventKind",
     "GrantedLane",
@@ -29,6 +31,7 @@ __all__ = [
 
 # Ids reach paths, logs and cgroup names: a tight alphabet, checked before anything else.
 INVOCATION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+INVOCATION_ID = re.compile(INVOCATION_ID_PATTERN)
 InvocationId = Annotated[str, msgspec.Meta(pattern=INVOCATION_ID_PATTERN)]
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _Arg = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]

@@ -355,3 +355,29 @@ async def test_a_terminal_event_is_published_only_after_release(
         await rig.sup.submit(builtin("y", "sleep", seconds=10))
         await rig.sup.cancel("y")
         assert observed == [0, 0]
+
+
+async def test_resubmission_is_judged_by_value_not_key_order(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        first = await rig.sup.submit(
+            InvocationRequest(id="k", work=ProcessWork(argv=["true"], env={"A": "1", "B": "2"}))
+        )
+        again = await rig.sup.submit(
+            InvocationRequest(id="k", work=ProcessWork(argv=["true"], env={"B": "2", "A": "1"}))
+        )
+        assert again.tokens == first.tokens
+
+
+async def test_an_id_with_a_trailing_newline_is_refused_before_anything(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        # msgspec's pattern lets "$" match before a final newline; admission does not.
+        request = msgspec.json.decode(
+            b'{"id": "abc\\n", "work": {"kind": "builtin", "name": "echo"}}',
+            type=InvocationRequest,
+        )
+        refusal = await refused(rig, request)
+        assert (refusal.status, refusal.reason) == (422, "invalid_request")

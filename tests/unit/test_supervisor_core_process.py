@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from capabilities import KeyRing, TokenService
+from capabilities import KeyRing, LaneOp, TokenRefused, TokenService
 from node.health import Signal
 from node.lanes import Isolation, Requirement
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_work import SimulatedExecutor
+from supervisor.process import ProcessStuck
 from supervisor.wire import InvocationState, NodeEvent
 from tests.supervisor_fixtures import (
     NODE,
@@ -216,3 +217,24 @@ async def test_outer_cancellation_kills_the_tree_and_releases(tmp_path: Path) ->
         if sid:
             kill_leftovers(sid)
         await machine.aclose()
+
+
+async def test_a_process_that_survives_sigkill_keeps_its_resources_and_faults_its_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def stuck(*args: object, **kwargs: object) -> int:
+        raise ProcessStuck(4242)  # what run_process says when SIGKILL did not end it
+
+    monkeypatch.setattr("supervisor.runner.run_process", stuck)
+    async with open_rig(tmp_path) as rig:
+        accepted = await rig.sup.submit(
+            process("d", "true", requirement=Requirement.GPU, gpus=1, vram_bytes=GiB)
+        )
+        ((lane_id, token),) = accepted.tokens.items()
+        assert await rig.wait_terminal("d") is InvocationState.failed
+        assert (rig.sup.get("d").reason or "").startswith("process_stuck")
+        # Still held (the device may still be in use) and its lane out of allocatable.
+        assert rig.machine.ledger.get("d") is not None
+        assert not rig.machine.ledger.available(lane_id)
+        with pytest.raises(TokenRefused):
+            rig.sup.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)

@@ -324,3 +324,62 @@ async def test_a_lane_fault_during_execute_is_a_503(
             await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
         assert (refused.value.status, refused.value.code) == (503, "lane_unhealthy")
         rig.machine.ledger.clear_lane_fault(lane_id)
+
+
+# -- abandoned work and ended invocations ------------------------------------------------
+
+
+async def test_a_reserve_whose_caller_left_is_never_made(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        lane_id, token = only_lane(await rig.sup.submit(gpu_work("m", vram=4 * GiB)))
+        owner = rig.sup.owners[lane_id]
+        gave_up: list[bool] = []
+
+        async def impatient() -> None:
+            with trio.move_on_after(0.2) as waited:
+                await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=3 * GiB))
+            gave_up.append(waited.cancelled_caught)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                rig.sup.lane_work, lane_id, token, Execute(kernel="sleep", args={"seconds": 1})
+            )
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(impatient)  # queued behind the sleeping kernel
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(0.2)
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(1)
+        assert gave_up == [True]
+        assert owner.held_by("m") == 0  # no buffer whose id nobody received
+        again = await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=4 * GiB))
+        assert again.bytes_held == 4 * GiB  # the whole budget is still there
+
+
+async def test_ending_the_invocation_stops_its_running_lane_work(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        lane_id, token = only_lane(await rig.sup.submit(gpu_work("m")))
+        outcome: list[LaneWorkError] = []
+
+        async def long_kernel() -> None:
+            with pytest.raises(LaneWorkError) as stopped:
+                await rig.sup.lane_work(
+                    lane_id, token, Execute(kernel="sleep", args={"seconds": 30})
+                )
+            outcome.append(stopped.value)
+
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_kernel)
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await rig.sup.cancel("m")).state is S.cancelled
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()  # a kernel still running would hold the test
+        # Stopped with its invocation, not left to run its 30 s on a lane now free.
+        assert trio.current_time() == started
+        assert [(e.status, e.code) for e in outcome] == [(409, "invocation_not_live")]
+        await rig.sup.submit(gpu_work("next", isolation=Isolation.DEDICATED))
