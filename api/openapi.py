@@ -13,7 +13,7 @@ import msgspec
 from api.errors import ErrorEnvelope
 from api.wire import DrainReply, HealthReply, ReadyReply
 from node.snapshot import NodeSnapshot
-from supervisor.lane_work import LaneWorkReply, LaneWorkRequest
+from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
     InvocationList,
     InvocationRequest,
@@ -73,6 +73,7 @@ def openapi_document() -> dict[str, Any]:
         LaneWorkReply,
         DrainReply,
         NodeEvent,
+        TokenReply,
     ]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     ref = dict(
@@ -90,6 +91,7 @@ def openapi_document() -> dict[str, Any]:
                 "work_reply",
                 "drain",
                 "event",
+                "token",
             ),
             schemas,
             strict=True,
@@ -191,6 +193,15 @@ def openapi_document() -> dict[str, Any]:
                     200, json_of["work_reply"], (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)
                 ),
             },
+        },
+    }
+    paths["/v1/lanes/{lane_id}/token"] = {
+        "parameters": [lane_id],
+        "post": {
+            "operationId": "refresh_token",
+            "security": _TOKEN,
+            "description": "Trade a valid token of a live invocation for a fresh one.",
+            "responses": _responses(200, json_of["token"], (400, 401, 403, 409, 503)),
         },
     }
     for action in ("drain", "resume"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -11,8 +14,9 @@ from api.errors import ApiError
 from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_supervisor, require_role
 from api.responses import json_response
 from capabilities import TokenRefusal, TokenRefused
+from node.snapshot import rfc3339
 from supervisor.lane_owner import LaneWorkError
-from supervisor.lane_work import LaneWorkRequest
+from supervisor.lane_work import LaneWorkRequest, TokenReply
 
 __all__ = ["register_lane_routes"]
 
@@ -34,6 +38,24 @@ def _bearer() -> str:
     return header[len("Bearer ") :].strip()
 
 
+@contextlib.contextmanager
+def _lane_errors(ctx: NodeContext) -> Iterator[None]:
+    """Token refusals and lane failures as the error envelope with honest statuses."""
+    try:
+        yield
+    except TokenRefused as refused:
+        ctx.metrics.token_refusals.labels(refused.reason.value).inc()
+        status = 403 if refused.reason in FORBIDDEN else 401
+        raise ApiError(
+            status, refused.reason.value, f"capability token refused: {refused.reason.value}"
+        ) from None
+    except LaneWorkError as failed:
+        retry = {"Retry-After": "1"} if failed.status == 429 else None
+        raise ApiError(failed.status, failed.code, str(failed), headers=retry) from None
+    except trio.TooSlowError:
+        raise ApiError(503, "lane_timeout", "the lane did not answer in time") from None
+
+
 def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
     @app.post("/v1/lanes/<lane_id>/work")
     async def lane_work(lane_id: str) -> Response:
@@ -43,23 +65,24 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
         work: LaneWorkRequest = await decode_body(LaneWorkRequest)
         started = trio.current_time()
         try:
-            reply = await sup.lane_work(lane_id, token, work)
-        except TokenRefused as refused:
-            ctx.metrics.token_refusals.labels(refused.reason.value).inc()
-            status = 403 if refused.reason in FORBIDDEN else 401
-            raise ApiError(
-                status, refused.reason.value, f"capability token refused: {refused.reason.value}"
-            ) from None
-        except LaneWorkError as failed:
-            retry = {"Retry-After": "1"} if failed.status == 429 else None
-            raise ApiError(failed.status, failed.code, str(failed), headers=retry) from None
-        except trio.TooSlowError:
-            raise ApiError(503, "lane_timeout", "the lane did not answer in time") from None
+            with _lane_errors(ctx):
+                reply = await sup.lane_work(lane_id, token, work)
         finally:
             ctx.metrics.lane_work_seconds.labels(type(work).__struct_config__.tag).observe(
                 trio.current_time() - started
             )
         return json_response(reply)
+
+    @app.post("/v1/lanes/<lane_id>/token")
+    async def refresh_token(lane_id: str) -> Response:
+        check_identifier(lane_id, LANE_ID, "lane_id")
+        token = _bearer()
+        sup = ready_supervisor(ctx)
+        with _lane_errors(ctx):
+            minted = sup.refresh_token(lane_id, token)
+        return json_response(
+            TokenReply(lane_id=lane_id, token=minted.token, expires_at=rfc3339(minted.claims.exp))
+        )
 
     async def _set_drained(lane_id: str, drained: bool) -> Response:
         require_role(ctx, ADMIN)

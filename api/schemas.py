@@ -18,7 +18,7 @@ from api.wire import DrainReply
 from capabilities import Claims
 from node.config import Config
 from node.snapshot import NodeSnapshot
-from supervisor.lane_work import LaneWorkReply, LaneWorkRequest
+from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
     InvocationList,
     InvocationRequest,
@@ -53,6 +53,7 @@ PUBLIC_TYPES: dict[str, Any] = {
     "drain_reply": DrainReply,
     "node_event": NodeEvent,
     "capability_claims": Claims,
+    "token_reply": TokenReply,
 }
 OPENAPI_FILE = "openapi.json"
 

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from capabilities import Isolation as TokenIsolation
-from capabilities import LaneOp, LaneValidator, TokenService
+from capabilities import LaneOp, LaneValidator, MintedToken, TokenService
 from capabilities.errors import CapabilityError
 from node.health import HealthState, HealthTransition
 from node.journal import JournalError
@@ -236,7 +236,7 @@ class Supervisor:
             raise AdmissionRefused(
                 503, "journal_unavailable", f"the reservation could not be journaled: {exc}"
             ) from None
-        deadline = time.time() + request.timeout_s
+        deadline = inv.wall_deadline = time.time() + request.timeout_s
         try:
             for grant in inv.reservation.lanes:
                 minted = self.tokens.mint(
@@ -395,9 +395,31 @@ class Supervisor:
         with trio.fail_after(self.lane_work_deadline):
             return await owner.request(token, work)
 
-    def is_terminal(self, invocation_id: str) -> bool:
-        inv = self._live.get(invocation_id) or self._ended.get(invocation_id)
-        return inv is None or inv.state in TERMINAL
+    def refresh_token(self, lane_id: str, token: str) -> MintedToken:
+        """A fresh token with the same scope for a live invocation; the old one is revoked.
+
+        Tokens live at most `--token-ttl` (an hour at most); work that runs longer
+        trades its still-valid token for a new one, up to its own deadline.
+        """
+        claims = self.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)
+        inv = self._live.get(claims.sub)
+        if inv is None or inv.tokens.get(lane_id) != token:
+            # Ended, or this token was already traded in for a newer one.
+            raise LaneWorkError(409, "token_not_current", "not the invocation's current token")
+        try:
+            minted = self.tokens.mint(
+                invocation_id=inv.id,
+                lane_id=lane_id,
+                ops=claims.ops,
+                vram_bytes=claims.vram_bytes,
+                isolation=claims.isolation,
+                deadline=inv.wall_deadline,
+            )
+        except CapabilityError as exc:
+            raise LaneWorkError(503, "token_unavailable", str(exc)) from None
+        self.tokens.revoke(claims)
+        inv.tokens[lane_id] = minted.token
+        return minted
 
     def set_drained(self, lane_id: str, drained: bool) -> None:
         """Cordon a lane (no new admissions; running work finishes) or lift it."""

@@ -42,6 +42,7 @@ class Invocation:
         self.tokens: dict[str, str] = {}
         self.exit_code: int | None = None
         self.pid: int | None = None
+        self.wall_deadline = 0.0  # Unix time its tokens may not outlive (set at admission)
         self.stuck = False  # its process survived SIGKILL: its resources stay held
         self.submitted_at = utc_now()
         self.started_at: str | None = None

@@ -23,6 +23,7 @@ __all__ = [
     "MemoryRelease",
     "MemoryReserve",
     "SimulatedExecutor",
+    "TokenReply",
 ]
 
 BUFFER_ID_PATTERN = r"^buf_[0-9a-f]{32}$"
@@ -73,6 +74,14 @@ class LaneWorkReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     buffer_id: str | None = None
     bytes_held: int  # VRAM this invocation holds on this lane after the op
     result: dict[str, Any] | None = None
+
+
+class TokenReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A fresh capability token for the same lane, invocation and scope."""
+
+    lane_id: str
+    token: str
+    expires_at: str  # RFC 3339
 
 
 class KernelError(Exception):

@@ -10,7 +10,7 @@ import msgspec
 
 from api.errors import ErrorEnvelope
 from node.lanes import LaneKind
-from supervisor.lane_work import LaneWorkReply
+from supervisor.lane_work import LaneWorkReply, TokenReply
 from tests.api_fixtures import (
     RunningDaemon,
     bearer,
@@ -158,3 +158,38 @@ async def test_drain_is_admin_only_and_blocks_admission_until_resume(
         assert unknown.status_code == 404 and error_code(unknown) == "unknown_lane"
         malformed = await client.post("/v1/lanes/not-a-lane/drain", headers=bearer(node.admin))
         assert malformed.status_code == 400 and error_code(malformed) == "invalid_identifier"
+
+
+async def test_a_live_invocation_trades_its_token_for_a_fresh_one(tmp_path: pathlib.Path) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        accepted = await submit(client, node, gpu_request("long"))
+        lane, old = next(iter(accepted["tokens"].items()))
+        other = await submit(client, node, gpu_request("other", isolation="partitioned"))
+        other_lane = next(iter(other["tokens"]))
+        noop = {"op": "execute", "kernel": "noop"}
+
+        fresh = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(old))
+        assert fresh.status_code == 200, fresh.text
+        reply = msgspec.json.decode(fresh.content, type=TokenReply)
+        assert reply.lane_id == lane and reply.token != old and reply.expires_at.endswith("Z")
+        new = reply.token
+        ok = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(new))
+        assert ok.status_code == 200, ok.text
+        # The traded-in token is dead, on lane work and for another refresh.
+        stale = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(old))
+        assert (stale.status_code, error_code(stale)) == (401, "revoked")
+        again = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(old))
+        assert (again.status_code, error_code(again)) == (401, "revoked")
+        # A token refreshes only on its own lane; an operator secret is no token.
+        elsewhere = await client.post(f"/v1/lanes/{other_lane}/token", headers=bearer(new))
+        assert (elsewhere.status_code, error_code(elsewhere)) == (403, "wrong_audience")
+        secret = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(node.scheduler))
+        assert secret.status_code == 401
+        # Once the invocation ends, nothing refreshes.
+        ended = await client.delete("/v1/invocations/long", headers=bearer(node.scheduler))
+        assert ended.status_code == 200
+        after = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(new))
+        assert (after.status_code, error_code(after)) == (401, "revoked")
