@@ -64,7 +64,7 @@ def _dev_state_dir() -> str:
 
 
 def _run_daemon(config: Config, *, dev: bool) -> int:
-    from node.daemon import Daemon, StartupError
+    from node.daemon import Daemon, startup_error_in
 
     configure_logging(config.log_level, config.log_format)
     daemon = Daemon(config, dev=dev)
@@ -77,22 +77,13 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
 
     try:
         trio.run(main)
-    except (StartupError, BaseExceptionGroup) as raised:
-        # Nurseries wrap errors in groups; a start-up refusal alone is one clear line.
-        startup, rest = (
-            raised.split(StartupError) if isinstance(raised, BaseExceptionGroup) else (raised, None)
-        )
-        if startup is None or rest is not None:
+    except BaseException as raised:
+        startup = startup_error_in(raised)
+        if startup is None:
             raise
-        print(f"{PROG}: cannot start: {_first_leaf(startup)}", file=sys.stderr)
+        print(f"{PROG}: cannot start: {startup}", file=sys.stderr)
         return 1
     return 0
-
-
-def _first_leaf(error: BaseException) -> BaseException:
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 def _announce_dev(url: str, daemon: Any) -> None:

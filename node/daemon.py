@@ -39,7 +39,7 @@ from supervisor.events import EventHub
 from supervisor.lane_work import SimulatedExecutor
 from supervisor.wire import NodeEvent
 
-__all__ = ["Daemon", "StartupError"]
+__all__ = ["Daemon", "StartupError", "startup_error_in"]
 
 log = logging.getLogger(__name__)
 # Past this, whatever has not stopped after the grace period is cancelled.
@@ -78,9 +78,14 @@ def open_secrets(
         raise StartupError(str(exc)) from exc
 
 
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+def startup_error_in(error: BaseException) -> StartupError | None:
+    """The StartupError when that is all `error` holds (nurseries wrap it in groups)."""
+    while isinstance(error, BaseExceptionGroup):
+        startup, rest = error.split(StartupError)
+        if startup is None or rest is not None:
+            return None
+        error = startup.exceptions[0]
+    return error if isinstance(error, StartupError) else None
 
 
 class Daemon:
@@ -125,11 +130,10 @@ class Daemon:
         try:
             await self._run(task_status)
         except BaseExceptionGroup as group:
-            startup, rest = group.split(StartupError)
-            if startup is None or rest is not None:
+            startup = startup_error_in(group)
+            if startup is None:
                 raise
-            first = _first_leaf(startup)
-            raise first from first.__cause__
+            raise startup from startup.__cause__
 
     async def _run(self, task_status: trio.TaskStatus[str]) -> None:
         app = create_app(self.context)
