@@ -14,6 +14,7 @@ regular file, owned by someone else or open to group/others is refused with
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -267,7 +268,12 @@ class Journal:
         self._records += 1
         live = len(self._state.reservations) + len(self._state.processes)
         if self._records >= self._compact_every and self._records > 2 * live:
-            self.compact()
+            try:
+                self.compact()
+            except Exception:
+                # The record above is written and fsynced: it stands. Compaction is
+                # retried on the next append.
+                log.exception("journal %s: compaction failed; will retry", self.path)
 
     def record_reserve(self, reservation: Reservation) -> None:
         self._append(ReserveRecord(reservation=reservation))
@@ -296,23 +302,32 @@ class Journal:
 
     # -- compaction and closing -----------------------------------------------------
     def compact(self) -> None:
-        """Rewrite the log as its live state: temp file, fsync, rename, fsync the dir."""
+        """Rewrite the log as its live state: temp file, fsync, rename, fsync the dir.
+
+        The new descriptor is the temp file's own, opened before the rename and
+        swapped in only once the rename succeeded: whatever fails, the journal
+        keeps appending to the file that is at `path`.
+        """
+        if self._fd < 0:
+            raise JournalError("journal is closed")
         tmp = self.path.with_name("." + self.path.name + ".tmp")
         tmp.unlink(missing_ok=True)
         records = self._state.records()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600)
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        new_fd = os.open(tmp, flags, 0o600)
         try:
-            _write_all(fd, b"".join(_frame(r) for r in records))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
-        new_fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-        os.close(self._fd)
-        self._fd = new_fd
+            _write_all(new_fd, b"".join(_frame(r) for r in records))
+            os.fsync(new_fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(new_fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        old_fd, self._fd = self._fd, new_fd
         self._records = len(records)
+        os.close(old_fd)
+        _fsync_dir(self.path.parent)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -34,6 +34,9 @@ __all__ = ["Machine", "snapshot_once"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# How long shutdown waits for a journal write still running in its worker thread.
+JOURNAL_CLOSE_WAIT = 5.0
+
 
 def _health_and_ledger(
     inventory: Inventory,
@@ -245,7 +248,21 @@ class Machine:
             ledger=self.ledger,
         )
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, journal_wait: float = JOURNAL_CLOSE_WAIT) -> None:
         if self.inventory.source is not None:
             await self.inventory.source.aclose()
-        self.journal.close()
+        # A journal write abandoned by its caller (timed out or cancelled) may still run
+        # in its worker thread, holding the limiter until it returns. Closing the
+        # descriptor under it could send the rest of its bytes to whatever file next
+        # gets that descriptor number, so wait for it: shielded, and bounded.
+        with trio.move_on_after(journal_wait, shield=True):
+            async with self._journal_limiter:
+                self.journal.close()
+            return
+        # Still stuck (a hung disk): leave the descriptor to the process exit rather
+        # than pull it from under the write; what the write finishes is still journaled.
+        log.error(
+            "journal %s: a write was still running %.1f s into shutdown; leaving it open",
+            self.journal.path,
+            journal_wait,
+        )

@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import resource
-import signal
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
+from node.procgroup import terminate_group
 from supervisor.cgroup import CGROUP_NAME_RE, CgroupV2
 from supervisor.output import OutputRing, pump
 
@@ -71,6 +71,7 @@ DEVICE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 
 MAX_ENV_ENTRIES = 64
 MAX_ENV_ITEM_BYTES = 4096
+MAX_SUPERVISOR_ENV_BYTES = 128 * 1024 - 1
 MAX_ARGV_ENTRIES = 256
 MAX_ARGV_ITEM_BYTES = 4096
 
@@ -78,9 +79,6 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # GPU-<uuid>, MIG-<uuid>, MIG-GPU-<uuid>/<gi>/<ci>: never a separator or blank.
 _DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 
-_POLL_SECONDS = 0.05
-# After SIGKILL: how long to wait for the kernel to tear the group down.
-_KILL_WAIT_SECONDS = 3.0
 # After the group is gone: how long the pumps may take to read what is left
 # in the pipes (longer only if something outside the group holds them).
 _DRAIN_SECONDS = 1.0
@@ -171,7 +169,9 @@ def validate_spec(spec: ProcessSpec) -> None:
         _check_text("extra_env", name, MAX_ENV_ITEM_BYTES)
         if not _ENV_NAME_RE.fullmatch(name):
             raise InvalidProcessRequest(f"extra_env.{name}", "not a valid variable name")
-        _check_text(f"extra_env.{name}", value, MAX_ENV_ITEM_BYTES)
+        # The supervisor's own values (one token per lane) may be longer than a
+        # guest's; the kernel's limit for one string is 128 KiB.
+        _check_text(f"extra_env.{name}", value, MAX_SUPERVISOR_ENV_BYTES)
     for device in spec.visible_devices:
         if not isinstance(device, str) or not _DEVICE_ID_RE.fullmatch(device):
             raise InvalidProcessRequest("visible_devices", f"invalid device id {device!r}")
@@ -205,75 +205,8 @@ def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[
 
 
 # -- ending a process group --------------------------------------------------
-
-
-def _signal_group(pgid: int, signum: int) -> bool:
-    """Send `signum` to the group; False if the group no longer exists."""
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _group_has_live_member(pgid: int) -> bool:
-    """True while a process of the group exists that is not a zombie.
-
-    kill(-pgid, 0) alone counts zombies, and orphans are reaped by init only
-    when init gets to it (lazily by some container inits, never by a daemon
-    running as PID 1 without one): a zombie holds no resources, so it is gone.
-    """
-    if not _signal_group(pgid, 0):
-        return False
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return True  # cannot tell: assume alive, so SIGKILL still follows
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                # After "(comm)", which may itself contain ")": state, ppid, pgrp, ...
-                state, _ppid, pgrp = stat.read().rsplit(b")", 1)[1].split()[:3]
-            if int(pgrp) == pgid and state not in (b"Z", b"X"):
-                return True
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-    return False
-
-
-async def _wait_group_gone(pgid: int, seconds: float, leader: trio.Process | None) -> bool:
-    with trio.move_on_after(seconds):
-        if leader is not None:
-            # Our own child stays a zombie (still a group member) until reaped.
-            await leader.wait()
-        # The kernel offers no event for "group empty" (a pidfd covers one process).
-        while _group_has_live_member(pgid):  # noqa: ASYNC110
-            await trio.sleep(_POLL_SECONDS)
-        return True
-    return False
-
-
-async def terminate_group(pgid: int, grace: float, *, leader: trio.Process | None = None) -> bool:
-    """SIGTERM the process group, wait up to `grace` for it to empty, then SIGKILL.
-
-    `leader`, when the group leader is our own child, is reaped along the way.
-    Returns True once the group is empty, False if it survived SIGKILL (logged;
-    like Slurm's "kill task failed", the caller should treat the lane as
-    suspect). Callers on a cancellation path run this under a shielded scope
-    with a deadline.
-    """
-    if not _signal_group(pgid, signal.SIGTERM) and leader is None:
-        return True
-    if await _wait_group_gone(pgid, grace, leader):
-        return True
-    log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
-    _signal_group(pgid, signal.SIGKILL)
-    if await _wait_group_gone(pgid, _KILL_WAIT_SECONDS, leader):
-        return True
-    log.error("process group %d survived SIGKILL", pgid)
-    return False
+# terminate_group (SIGTERM, grace, SIGKILL) lives in node.procgroup, shared with
+# reconcile; it is re-exported here.
 
 
 async def _wait_exit_unreaped(proc: trio.Process, pidfd: int | None) -> None:

@@ -139,6 +139,60 @@ def test_compaction_keeps_live_state(tmp_path: Path) -> None:
     assert replay.reservations == live == {f"r{i}": reservation(f"r{i}") for i in range(0, 40, 4)}
 
 
+def churn(journal: Journal, start: int, count: int) -> None:
+    """Reserve and release: enough dead records to trigger compaction."""
+    for i in range(start, start + count):
+        journal.record_reserve(reservation(f"t{i}"))
+        journal.record_release(f"t{i}")
+
+
+def test_failed_open_during_compaction_loses_no_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal, _ = Journal.open(tmp_path, compact_every=8)
+    journal.record_reserve(reservation("keep"))
+    path = tmp_path / JOURNAL_FILENAME
+    real_open = os.open
+
+    def no_reopen(file: object, *args: object, **kwargs: object) -> int:
+        if Path(str(file)) == path:  # the log itself, reopened after the rename
+            raise OSError(24, "Too many open files")
+        return real_open(file, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_reopen)
+    churn(journal, 0, 8)  # compacts along the way
+    assert journal.record_count < 17
+    journal.record_reserve(reservation("after"))
+    monkeypatch.undo()
+    journal.close()
+    _, replay = Journal.open(tmp_path)
+    assert set(replay.reservations) == {"keep", "after"}
+
+
+def test_failed_rename_keeps_appending_and_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal, _ = Journal.open(tmp_path, compact_every=8)
+    journal.record_reserve(reservation("keep"))
+
+    def no_rename(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    churn(journal, 0, 8)  # every compaction fails; no append does
+    assert journal.record_count == 17
+    assert "compaction failed" in caplog.text
+    assert not list(tmp_path.glob(".*.tmp"))
+    journal.record_reserve(reservation("during"))
+    monkeypatch.undo()
+    journal.record_release("during")  # compaction retried, and now it works
+    assert journal.record_count == 1
+    journal.record_reserve(reservation("after"))
+    journal.close()
+    _, replay = Journal.open(tmp_path)
+    assert set(replay.reservations) == {"keep", "after"} and replay.problem is None
+
+
 def spawn(*argv: str) -> subprocess.Popen[bytes]:
     # In its own session, as the supervisor starts invocations: pgid == pid.
     return subprocess.Popen(argv, start_new_session=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -9,9 +10,9 @@ import trio
 import trio.testing
 
 from node.health import HealthState, HealthTransition
-from node.journal import JournalUnsafe
+from node.journal import Journal, JournalUnsafe
 from node.lanes import Isolation, Requirement
-from node.ledger import RefusalReason, ReservationRefused, ReservationRequest
+from node.ledger import RefusalReason, Reservation, ReservationRefused, ReservationRequest
 from node.machine import Machine
 
 GiB = 1 << 30
@@ -97,3 +98,70 @@ async def test_health_reaches_the_ledger(
     assert any(e.to_state is HealthState.UNHEALTHY for e in events)
     mock_clock.autojump_threshold = float("inf")
     await machine.aclose()
+
+
+async def test_aclose_waits_for_an_abandoned_journal_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    machine = await open_machine(tmp_path)
+    journal = machine.journal
+    real_reserve = journal.record_reserve
+    gate = threading.Event()
+
+    def slow_reserve(reservation: Reservation) -> None:
+        gate.wait(10)  # a disk that takes its time
+        real_reserve(reservation)
+
+    monkeypatch.setattr(journal, "record_reserve", slow_reserve)
+    try:
+        with trio.move_on_after(0.1):  # the caller gives up; the thread runs on
+            await machine.reserve(ReservationRequest(reservation_id="late", cpu_millis=100))
+        closed = trio.Event()
+
+        async def close() -> None:
+            await machine.aclose()
+            closed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close)
+            await trio.sleep(0.2)
+            assert not closed.is_set()  # not closed under the running write
+            gate.set()
+            with trio.fail_after(5):
+                await closed.wait()
+    finally:
+        gate.set()
+    # The late write landed whole; the next start releases it (it has no process).
+    again = await open_machine(tmp_path)
+    assert again.recovery is not None and again.recovery.released == ("late",)
+    await again.aclose()
+
+
+async def test_aclose_leaves_a_stuck_write_its_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    machine = await open_machine(tmp_path, journal_timeout=0.1)
+    journal = machine.journal
+    real_release = journal.record_release
+    gate = threading.Event()
+    finished = threading.Event()
+
+    def stuck_release(reservation_id: str) -> None:
+        gate.wait(10)  # a hung disk
+        real_release(reservation_id)
+        finished.set()
+
+    await machine.reserve(ReservationRequest(reservation_id="held", cpu_millis=100))
+    monkeypatch.setattr(journal, "record_release", stuck_release)
+    try:
+        await machine.release("held")  # times out, logged; the write runs on
+        await machine.aclose(journal_wait=0.2)
+        assert "still running" in caplog.text
+    finally:
+        gate.set()
+    # The descriptor was left to the write, which still reaches the journal.
+    assert await trio.to_thread.run_sync(finished.wait, 5)
+    journal.close()
+    replayed, replay = Journal.open(tmp_path)
+    replayed.close()
+    assert replay.reservations == {}
