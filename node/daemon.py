@@ -10,6 +10,7 @@ rest, release everything, close the journal.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 import signal
@@ -31,7 +32,6 @@ from node.config import Config, DeviceMode
 from node.health import HealthTransition
 from node.journal import JournalError
 from node.machine import Machine
-from node.monitor import probe_once
 from node.readiness import Readiness
 from node.sdnotify import notify
 from supervisor.core import Supervisor
@@ -203,7 +203,14 @@ class Daemon:
         self.context.metrics.snapshot = snapshots.current
         self.context.metrics.invocation_counts = supervisor.counts
         self.readiness.done("supervisor")
-        nursery.start_soon(self._probe_devices, snapshots)
+        nursery.start_soon(
+            functools.partial(
+                machine.monitor,
+                interval=config.health_interval,
+                probe_timeout=max(1.0, config.health_interval * 2),
+                on_probe=snapshots.mark_changed,  # readings move every probe
+            )
+        )
         if config.scheduler_url:
             self.telemetry = TelemetryPusher(
                 config.scheduler_url,
@@ -249,19 +256,3 @@ class Daemon:
             self.context.snapshots.mark_changed()
         if self.telemetry is not None:
             self.telemetry.nudge()
-
-    async def _probe_devices(self, snapshots: SnapshotCache) -> None:
-        machine = self.machine
-        assert machine is not None
-        source = machine.inventory.source
-        if source is None:
-            return
-        while True:
-            await probe_once(
-                source,
-                machine.health,
-                probe_timeout=max(1.0, self.config.health_interval * 2),
-                ledger=machine.ledger,
-            )
-            snapshots.mark_changed()  # temperatures and readings move every probe
-            await trio.sleep(self.config.health_interval)

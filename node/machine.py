@@ -235,7 +235,13 @@ class Machine:
             readiness_reasons=readiness_reasons,
         )
 
-    async def monitor(self, *, interval: float = 5.0, probe_timeout: float = 10.0) -> None:
+    async def monitor(
+        self,
+        *,
+        interval: float = 5.0,
+        probe_timeout: float = 10.0,
+        on_probe: Callable[[], None] = lambda: None,
+    ) -> None:
         """Probe devices until cancelled (returns at once without a device source)."""
         if self.inventory.source is None:
             return
@@ -246,6 +252,7 @@ class Machine:
             interval=interval,
             probe_timeout=probe_timeout,
             ledger=self.ledger,
+            on_probe=on_probe,
         )
 
     async def aclose(self, *, journal_wait: float = JOURNAL_CLOSE_WAIT) -> None:

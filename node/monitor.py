@@ -9,6 +9,8 @@ unreadable (unknown), never healthy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from node.health import HealthState, HealthTracker
@@ -60,8 +62,10 @@ async def monitor_devices(
     interval: float = 5.0,
     probe_timeout: float = 10.0,
     ledger: Ledger | None = None,
+    on_probe: Callable[[], None] = lambda: None,
 ) -> None:
-    """Probe forever (until cancelled)."""
+    """Probe forever (until cancelled); `on_probe` hears of every finished probe."""
     while True:
         await probe_once(source, tracker, probe_timeout=probe_timeout, ledger=ledger)
+        on_probe()
         await trio.sleep(interval)
