@@ -156,6 +156,9 @@ class Daemon:
                     components.cancel_scope.deadline = (
                         trio.current_time() + self.config.shutdown_grace + SHUTDOWN_MARGIN
                     )
+                    if self.context.events is not None:
+                        # Event streams end cleanly now, inside the server's grace period.
+                        self.context.events.close()
                     if self.supervisor is not None:
                         await self.supervisor.shutdown(self.config.shutdown_grace)
                     components.cancel_scope.cancel()
