@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy $(PACKAGES)
+	$(BIN)/mypy $(PACKAGES) bench
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -110,11 +110,13 @@ async def wait_until(ready: Callable[[], bool]) -> None:
 async def _throughput(state_dir: pathlib.Path) -> float:
     async with supervisor(state_dir, limit=THROUGHPUT_N) as sup:
         await sup.submit(request("warm"))
-        await wait_until(lambda: sup.is_terminal("warm"))
+        await wait_until(lambda: sup.get("warm").state in TERMINAL)
         start = time.perf_counter()
         for n in range(THROUGHPUT_N):
             await sup.submit(request(f"n{n}"))
-        await wait_until(lambda: all(sup.is_terminal(f"n{n}") for n in range(THROUGHPUT_N)))
+        await wait_until(
+            lambda: all((sup.get(f"n{n}").state in TERMINAL) for n in range(THROUGHPUT_N))
+        )
         elapsed = time.perf_counter() - start
         assert sup.counts()[InvocationState.succeeded] == THROUGHPUT_N + 1
         assert len(sup.machine.ledger) == 0
@@ -226,7 +228,7 @@ async def _cancel_bare_process() -> list[float]:
 async def _memory(state_dir: pathlib.Path) -> float:
     async with supervisor(state_dir, limit=CONCURRENT) as sup:
         await sup.submit(request("warm"))
-        await wait_until(lambda: sup.is_terminal("warm"))
+        await wait_until(lambda: sup.get("warm").state in TERMINAL)
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]

@@ -14,6 +14,7 @@ the median rate of each side is compared:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import pathlib
@@ -82,20 +83,20 @@ def _run(state_dir: pathlib.Path) -> list[Finding]:
     for token in tokens:
         parsed = paseto.parse(token)
         message = paseto.pae(header, parsed.payload, parsed.footer, implicit)
-        bare_calls.append(lambda s=parsed.signature, m=message: public.verify(s, m))
+        bare_calls.append(functools.partial(public.verify, parsed.signature, message))
 
     miss_validator = service.validator(cache_size=CACHE_SIZE)
     ours_first = _cycle(
         [
-            lambda t=token: miss_validator.validate(t, lane_id=LANE, op=LaneOp.EXECUTE)
+            functools.partial(miss_validator.validate, token, lane_id=LANE, op=LaneOp.EXECUTE)
             for token in tokens
         ]
     )
     pyseto_key = pyseto.Key.from_paserk(keyring.public_paserks()[kid])
     pyseto_calls = _cycle(
         [
-            lambda t=token: pyseto.decode(
-                pyseto_key, t, implicit_assertion=implicit, deserializer=json
+            functools.partial(
+                pyseto.decode, pyseto_key, token, implicit_assertion=implicit, deserializer=json
             )
             for token in tokens
         ]
