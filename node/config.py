@@ -80,6 +80,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     telemetry_interval: float
     health_interval: float
     shutdown_grace: float
+    http_read_timeout: float
+    http_body_timeout: float
+    http_keep_alive: float
     auth_file: str
     metrics_auth: bool
     log_level: LogLevel
@@ -181,6 +184,9 @@ _CHECKS: dict[str, Any] = {
     "telemetry_interval": _positive,
     "health_interval": _positive,
     "shutdown_grace": _non_negative,
+    "http_read_timeout": _positive,
+    "http_body_timeout": _positive,
+    "http_keep_alive": _positive,
     "log_level": LogLevel,
     "log_format": LogFormat,
 }

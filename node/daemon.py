@@ -142,9 +142,7 @@ class Daemon:
                 await outer.start(self._watch_signals)
             try:
                 async with trio.open_nursery() as components:
-                    addresses = await components.start(
-                        serve_http, app, self.config.listen, self.stop
-                    )
+                    addresses = await components.start(serve_http, app, self.config, self.stop)
                     self.url = addresses[0]
                     self.readiness.done("http")
                     log.info("listening on %s", self.url)

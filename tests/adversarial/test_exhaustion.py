@@ -11,15 +11,13 @@ from __future__ import annotations
 import contextlib
 import math
 import pathlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
-import api.app
-import api.server
 import node.daemon
 from api.app import MAX_BODY_BYTES
 from api.server import hypercorn_config
@@ -27,6 +25,7 @@ from tests.adversarial.fixtures import (
     MiB,
     Node,
     bearer,
+    config_for,
     error_code,
     gpu_request,
     host_port,
@@ -285,8 +284,8 @@ async def test_exhaustion_oversized_headers_refused_server_survives(
 # --- slow clients ---------------------------------------------------------------------------
 
 
-def test_exhaustion_server_timeouts_are_finite() -> None:
-    config = hypercorn_config("127.0.0.1:0")
+def test_exhaustion_server_timeouts_are_finite(tmp_path: pathlib.Path) -> None:
+    config = hypercorn_config(config_for(tmp_path))
     assert config.read_timeout is not None and config.h11_max_incomplete_size is not None
     assert 0 < config.read_timeout <= 30
     assert 0 < config.keep_alive_timeout <= 30
@@ -298,26 +297,16 @@ SHORT = 1.0
 
 
 @pytest.fixture
-def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemon's own Hypercorn config with its timeouts shortened (tests cannot
-    wait 30 s); the mechanism under test is unchanged."""
-    original: Callable[[str], Any] = api.server.hypercorn_config
-
-    def short(listen: str) -> Any:
-        config = original(listen)
-        config.read_timeout = SHORT
-        config.keep_alive_timeout = SHORT
-        return config
-
-    monkeypatch.setattr(api.server, "hypercorn_config", short)
-    real_create_app = api.app.create_app
-
-    def create_app(ctx: Any) -> Any:
-        app = real_create_app(ctx)
-        app.config["BODY_TIMEOUT"] = 2 * SHORT
-        return app
-
-    monkeypatch.setattr("node.daemon.create_app", create_app)
+def short_timeouts() -> tuple[str, ...]:
+    """The daemon's own timeout options, shortened (tests cannot wait 30 s)."""
+    return (
+        "--http-read-timeout",
+        str(SHORT),
+        "--http-keep-alive",
+        str(SHORT),
+        "--http-body-timeout",
+        str(2 * SHORT),
+    )
 
 
 class Cut:
@@ -368,26 +357,26 @@ async def _slow_client(url: str, first: bytes, drip: bytes, seconds: float) -> C
 
 
 async def test_exhaustion_idle_connection_disconnected(
-    tmp_path: pathlib.Path, short_timeouts: None
+    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with running_node(tmp_path, *short_timeouts) as node:
         cut = await _slow_client(node.url, b"", b"", 5 * SHORT)
         assert cut.seconds < 3 * SHORT and cut.received == b""
 
 
 async def test_exhaustion_slowloris_header_drip_disconnected(
-    tmp_path: pathlib.Path, short_timeouts: None
+    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with running_node(tmp_path, *short_timeouts) as node:
         drip = b"X-Slow: " + b"a" * 200  # 40 s of headers at one byte per 0.2 s
         cut = await _slow_client(node.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n", drip, 10)
         assert cut.seconds < 4 * SHORT and cut.status in (None, 408)
 
 
 async def test_exhaustion_body_never_finished_disconnected(
-    tmp_path: pathlib.Path, short_timeouts: None
+    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with running_node(tmp_path, *short_timeouts) as node:
         before = await node.state()
         head = http_request(
             "POST",
@@ -401,9 +390,9 @@ async def test_exhaustion_body_never_finished_disconnected(
 
 
 async def test_exhaustion_body_drip_cut_by_body_timeout(
-    tmp_path: pathlib.Path, short_timeouts: None
+    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with running_node(tmp_path, *short_timeouts) as node:
         before = await node.state()
         head = http_request(
             "POST",
@@ -420,9 +409,9 @@ async def test_exhaustion_body_drip_cut_by_body_timeout(
 
 
 async def test_exhaustion_body_drip_hung_up_after_408(
-    tmp_path: pathlib.Path, short_timeouts: None
+    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with running_node(tmp_path, *short_timeouts) as node:
         head = http_request(
             "POST",
             "/v1/invocations",
