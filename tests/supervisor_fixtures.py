@@ -200,6 +200,22 @@ def _frozen() -> bool:
     return isinstance(clock, trio.testing.MockClock) and clock.rate == 0
 
 
+def unstarted_supervisor(
+    machine: Machine, state_dir: Path, **kw: Any
+) -> tuple[Supervisor, TokenService]:
+    """A supervisor (and its token service) for tests that run and stop it themselves."""
+    tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
+    options: dict[str, Any] = {"max_queued": 4, "max_running": 4, **kw}
+    sup = Supervisor(
+        machine,
+        tokens,
+        EventHub[NodeEvent](max_subscribers=2, buffer=64),
+        SimulatedExecutor(machine.ledger.available),
+        **options,
+    )
+    return sup, tokens
+
+
 @contextlib.asynccontextmanager
 async def open_rig(
     tmp_path: Path,

@@ -10,21 +10,17 @@ import pytest
 import trio
 import trio.testing
 
-from capabilities import KeyRing, LaneOp, TokenService
+from capabilities import LaneOp
 from node.health import HealthState, HealthTransition, Signal
 from node.lanes import Isolation, Requirement
 from supervisor.admission import AdmissionRefused
-from supervisor.core import Supervisor, UnknownInvocation
-from supervisor.events import EventHub
-from supervisor.lane_work import SimulatedExecutor
+from supervisor.core import UnknownInvocation
 from supervisor.wire import (
     EventKind,
     InvocationRequest,
     InvocationState,
-    NodeEvent,
 )
 from tests.supervisor_fixtures import (
-    NODE,
     SIM_GPU,
     SIM_MIG_GPU,
     GiB,
@@ -32,6 +28,7 @@ from tests.supervisor_fixtures import (
     builtin,
     open_machine,
     open_rig,
+    unstarted_supervisor,
 )
 
 S = InvocationState
@@ -274,15 +271,7 @@ async def test_outer_cancellation_releases_everything(
     state_dir = tmp_path / "state"
     machine = await open_machine(state_dir)
     try:
-        tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
-        sup = Supervisor(
-            machine,
-            tokens,
-            EventHub[NodeEvent](max_subscribers=2, buffer=64),
-            SimulatedExecutor(machine.ledger.available),
-            max_queued=4,
-            max_running=1,
-        )
+        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=1)
         baseline = machine.ledger.capacity()
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
@@ -311,15 +300,7 @@ async def test_keyboard_interrupt_in_the_daemon_releases_everything(
     state_dir = tmp_path / "state"
     machine = await open_machine(state_dir)
     try:
-        tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
-        sup = Supervisor(
-            machine,
-            tokens,
-            EventHub[NodeEvent](max_subscribers=2, buffer=64),
-            SimulatedExecutor(machine.ledger.available),
-            max_queued=4,
-            max_running=4,
-        )
+        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=4)
 
         async def interrupt() -> None:
             await trio.testing.wait_all_tasks_blocked()
@@ -345,15 +326,7 @@ async def test_a_submission_after_the_supervisor_stopped_is_refused_and_leaks_no
     state_dir = tmp_path / "state"
     machine = await open_machine(state_dir)
     try:
-        tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
-        sup = Supervisor(
-            machine,
-            tokens,
-            EventHub[NodeEvent](max_subscribers=2, buffer=64),
-            SimulatedExecutor(machine.ledger.available),
-            max_queued=4,
-            max_running=1,
-        )
+        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=1)
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.run)
             nursery.cancel_scope.cancel()  # torn down without shutdown() being called

@@ -9,16 +9,12 @@ import pytest
 import trio
 import trio.testing
 
-from capabilities import KeyRing, TokenService
 from node.health import Signal
 from node.lanes import Requirement
 from supervisor.admission import AdmissionRefused
-from supervisor.core import Supervisor, UnknownInvocation
-from supervisor.events import EventHub
-from supervisor.lane_work import SimulatedExecutor
-from supervisor.wire import InvocationState, NodeEvent
+from supervisor.core import UnknownInvocation
+from supervisor.wire import InvocationState
 from tests.supervisor_fixtures import (
-    NODE,
     SIM_GPU,
     TREE,
     FaultyJournalMachine,
@@ -31,6 +27,7 @@ from tests.supervisor_fixtures import (
     process,
     session_members,
     tree_pid,
+    unstarted_supervisor,
 )
 
 S = InvocationState
@@ -192,15 +189,7 @@ async def test_a_supervisor_stopping_during_admission_refuses_and_releases(
     m = await open_machine(state_dir, cls=FaultyJournalMachine)
     assert isinstance(m, FaultyJournalMachine)
     try:
-        tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
-        sup = Supervisor(
-            m,
-            tokens,
-            EventHub[NodeEvent](max_subscribers=2, buffer=64),
-            SimulatedExecutor(m.ledger.available),
-            max_queued=4,
-            max_running=1,
-        )
+        sup, tokens = unstarted_supervisor(m, state_dir, max_running=1)
         outcome: list[AdmissionRefused] = []
 
         async def submit() -> None:

@@ -10,16 +10,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from capabilities import KeyRing, LaneOp, TokenRefused, TokenService
+from capabilities import LaneOp, TokenRefused
 from node.health import Signal
 from node.lanes import Isolation, Requirement
-from supervisor.core import Supervisor
-from supervisor.events import EventHub
-from supervisor.lane_work import SimulatedExecutor
 from supervisor.process import ProcessStuck
-from supervisor.wire import InvocationState, NodeEvent
+from supervisor.wire import InvocationState
 from tests.supervisor_fixtures import (
-    NODE,
     SIM_GPU,
     TREE,
     GiB,
@@ -30,6 +26,7 @@ from tests.supervisor_fixtures import (
     process,
     session_members,
     tree_pid,
+    unstarted_supervisor,
 )
 
 S = InvocationState
@@ -188,16 +185,7 @@ async def test_outer_cancellation_kills_the_tree_and_releases(tmp_path: Path) ->
     machine = await open_machine(state_dir)
     sid = 0
     try:
-        tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
-        sup = Supervisor(
-            machine,
-            tokens,
-            EventHub[NodeEvent](max_subscribers=2, buffer=64),
-            SimulatedExecutor(machine.ledger.available),
-            max_queued=4,
-            max_running=4,
-            kill_grace=0.5,
-        )
+        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=4, kill_grace=0.5)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 await nursery.start(sup.run)
