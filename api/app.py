@@ -25,7 +25,7 @@ def create_app(ctx: NodeContext) -> QuartTrio:
     app = QuartTrio("litegraph_node")
     # Quart refuses bodies over this before a handler reads them (413).
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    app.config["BODY_TIMEOUT"] = ctx.config.http_body_timeout
+    app.config["BODY_TIMEOUT"] = ctx.http.body_timeout
     app.config["RESPONSE_TIMEOUT"] = 60
     # No 308 redirects to a "normalised" path (e.g. /v1/lanes/..%2F/work): an API
     # answers the path it was sent, with an error if it names nothing.

@@ -6,9 +6,9 @@ import dataclasses
 
 from api.auth import Authenticator
 from api.metrics import NodeMetrics
+from api.settings import HttpSettings
 from api.snapshot_cache import SnapshotCache
-from node.config import Config
-from node.readiness import Readiness
+from node.machine.readiness import Readiness
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.wire import NodeEvent
@@ -18,7 +18,7 @@ __all__ = ["NodeContext"]
 
 @dataclasses.dataclass
 class NodeContext:
-    config: Config
+    http: HttpSettings
     readiness: Readiness
     metrics: NodeMetrics
     auth: Authenticator | None = None

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from node.health import HealthState
-from node.snapshot import Amounts, NodeSnapshot
+from node.machine.health import HealthState
+from node.machine.snapshot import Amounts, NodeSnapshot
 from supervisor.wire import InvocationState
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics"]

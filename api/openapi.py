@@ -12,7 +12,7 @@ import msgspec
 
 from api.errors import ErrorEnvelope
 from api.wire import DrainReply, HealthReply, ReadyReply
-from node.snapshot import NodeSnapshot
+from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
     InvocationList,

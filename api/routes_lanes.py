@@ -14,7 +14,7 @@ from api.errors import ApiError
 from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_supervisor, require_role
 from api.responses import json_response
 from capabilities import TokenRefusal, TokenRefused
-from node.snapshot import rfc3339
+from node.machine.snapshot import rfc3339
 from supervisor.lane_owner import LaneWorkError
 from supervisor.lane_work import LaneWorkRequest, TokenReply
 

@@ -68,7 +68,7 @@ def register_node_routes(app: QuartTrio, ctx: NodeContext) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if ctx.config.metrics_auth:
+        if ctx.http.metrics_auth:
             require_role(ctx, ANY_OPERATOR)
         return Response(ctx.metrics.render(), content_type=CONTENT_TYPE)
 

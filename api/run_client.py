@@ -12,7 +12,7 @@ import msgspec
 import trio
 
 from api.errors import ErrorEnvelope
-from node.lanes import Requirement
+from node.machine.lanes import Requirement
 from supervisor.wire import (
     InvocationRequest,
     InvocationState,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from node.snapshot import NodeSnapshot
+from node.machine.snapshot import NodeSnapshot
 
 __all__ = ["SnapshotCache"]
 

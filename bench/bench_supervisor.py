@@ -29,8 +29,8 @@ import trio.testing
 
 from bench.harness import Finding, median, percentile
 from capabilities import KeyRing, TokenService
-from node.lanes import Requirement
 from node.machine import Machine
+from node.machine.lanes import Requirement
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_work import SimulatedExecutor

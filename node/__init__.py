@@ -1,19 +1,10 @@
-"""The machine: discovery, lanes, health, capacity, config and the daemon wiring."""
+"""The application: the command line, flags, config, logging and the daemon wiring.
+
+The machine model lives in `node.machine`; only the application modules here
+import every layer and wire them together.
+"""
 
 from node.config import Config, build_config
 from node.flags import FlagError
-from node.ledger import Ledger, ReservationRefused
-from node.machine import Machine
-from node.readiness import Readiness
-from node.snapshot import NodeSnapshot
 
-__all__ = [
-    "Config",
-    "FlagError",
-    "Ledger",
-    "Machine",
-    "NodeSnapshot",
-    "Readiness",
-    "ReservationRefused",
-    "build_config",
-]
+__all__ = ["Config", "FlagError", "build_config"]

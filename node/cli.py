@@ -122,8 +122,8 @@ def _cmd_dev(inv: Invocation) -> int:
 
 
 def _cmd_snapshot(inv: Invocation) -> int:
-    from node.discovery import DiscoveryError
     from node.machine import snapshot_once
+    from node.machine.discovery import DiscoveryError
 
     config = inv.config
     configure_logging(config.log_level, config.log_format)
@@ -173,7 +173,7 @@ def _cmd_run(inv: Invocation) -> int:
 
 
 def _cmd_contracts(inv: Invocation) -> int:
-    from api.schemas import check_contracts, write_contracts
+    from node.contracts import check_contracts, write_contracts
 
     if inv.options.get("check"):
         problems = check_contracts()

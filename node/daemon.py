@@ -24,22 +24,23 @@ from api.auth import Authenticator, AuthError, AuthFile, load_or_create_auth
 from api.context import NodeContext
 from api.metrics import NodeMetrics
 from api.server import serve_http
+from api.settings import HttpSettings
 from api.snapshot_cache import SnapshotCache
 from api.telemetry import TelemetryPusher
 from capabilities import CapabilityError, KeyRing, TokenService
 from capabilities.securefile import SecretFileError
 from node.config import Config, DeviceMode
-from node.health import HealthTransition
-from node.journal import JournalError
 from node.machine import Machine
-from node.readiness import Readiness
+from node.machine.health import HealthTransition
+from node.machine.journal import JournalError
+from node.machine.readiness import Readiness
 from node.sdnotify import notify
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_work import SimulatedExecutor
 from supervisor.wire import NodeEvent
 
-__all__ = ["Daemon", "StartupError", "startup_error_in"]
+__all__ = ["Daemon", "StartupError", "http_settings", "startup_error_in"]
 
 log = logging.getLogger(__name__)
 # Past this, whatever has not stopped after the grace period is cancelled.
@@ -50,6 +51,16 @@ EVENT_BUFFER = 256
 
 class StartupError(Exception):
     """The daemon cannot start (unsafe key/auth/journal file, bad sim file); exit 1."""
+
+
+def http_settings(config: Config) -> HttpSettings:
+    return HttpSettings(
+        listen=config.listen,
+        read_timeout=config.http_read_timeout,
+        body_timeout=config.http_body_timeout,
+        keep_alive=config.http_keep_alive,
+        metrics_auth=config.metrics_auth,
+    )
 
 
 def fresh_signing_key(state_dir: pathlib.Path) -> KeyRing:
@@ -103,7 +114,9 @@ class Daemon:
         self.dev = dev
         self.stop = trio.Event()
         self.readiness = Readiness(("http", "keys", "discovery", "journal", "supervisor"))
-        self.context = NodeContext(config=config, readiness=self.readiness, metrics=NodeMetrics())
+        self.context = NodeContext(
+            http=http_settings(config), readiness=self.readiness, metrics=NodeMetrics()
+        )
         self.url = ""
         self.auth_path = pathlib.Path(
             config.auth_file or pathlib.Path(config.state_dir) / "auth.json"
@@ -142,7 +155,9 @@ class Daemon:
                 await outer.start(self._watch_signals)
             try:
                 async with trio.open_nursery() as components:
-                    addresses = await components.start(serve_http, app, self.config, self.stop)
+                    addresses = await components.start(
+                        serve_http, app, self.context.http, self.stop
+                    )
                     self.url = addresses[0]
                     self.readiness.done("http")
                     log.info("listening on %s", self.url)

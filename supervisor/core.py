@@ -20,11 +20,11 @@ import trio
 from capabilities import Isolation as TokenIsolation
 from capabilities import LaneOp, LaneValidator, MintedToken, TokenService
 from capabilities.errors import CapabilityError
-from node.health import HealthState, HealthTransition
-from node.journal import JournalError
-from node.lanes import Isolation, LaneKind, Requirement
-from node.ledger import ReservationRefused, ReservationRequest
 from node.machine import Machine
+from node.machine.health import HealthState, HealthTransition
+from node.machine.journal import JournalError
+from node.machine.lanes import Isolation, LaneKind, Requirement
+from node.machine.ledger import ReservationRefused, ReservationRequest
 from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
 from supervisor.events import EventHub
 from supervisor.invocation import Invocation, utc_now
@@ -32,7 +32,7 @@ from supervisor.lane_owner import LaneOwner, LaneWorkError
 from supervisor.lane_work import LaneExecutor, LaneWorkReply, LaneWorkRequest
 from supervisor.lifecycle import TERMINAL, Ending
 from supervisor.process import ProcessStuck
-from supervisor.runner import run_work
+from supervisor.runner import RunEnv, run_work
 from supervisor.wire import (
     EventKind,
     InvocationRequest,
@@ -126,6 +126,14 @@ class Supervisor:
         with trio.move_on_after(self.cleanup_deadline + self.kill_grace):
             for inv in list(self._live.values()):
                 await inv.finished.wait()
+
+    def _run_env(self) -> RunEnv:
+        return RunEnv(
+            machine=self.machine,
+            node_url=self.node_url,
+            kill_grace=self.kill_grace,
+            background=self.background,
+        )
 
     def background(self, task: Callable[[], Awaitable[None]]) -> None:
         """Run `task` in the supervisor's nursery (bookkeeping beside an invocation)."""
@@ -310,7 +318,7 @@ class Supervisor:
                 async with self._slots:
                     inv.advance(Ending.start)
                     self._announce(inv)
-                    inv.exit_code = await run_work(self, inv)
+                    inv.exit_code = await run_work(self._run_env(), inv)
                 ending = Ending.succeed if inv.exit_code == 0 else Ending.fail
                 inv.reason = None if inv.exit_code == 0 else "nonzero_exit"
         except ProcessStuck as exc:

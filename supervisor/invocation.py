@@ -6,8 +6,8 @@ import datetime
 
 import trio
 
-from node.ledger import Reservation
-from node.snapshot import rfc3339
+from node.machine.ledger import Reservation
+from node.machine.snapshot import rfc3339
 from supervisor.lifecycle import Ending, next_state
 from supervisor.output import OutputRing
 from supervisor.wire import (

@@ -20,7 +20,7 @@ import msgspec
 import trio
 
 from capabilities import LaneOp, LaneValidator, TokenRefused
-from node.lanes import Lane
+from node.machine.lanes import Lane
 from supervisor.lane_work import (
     Execute,
     KernelError,

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import trio
 
-from node.lanes import Lane
+from node.machine.lanes import Lane
 
 __all__ = [
     "Execute",

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
-from node.procgroup import terminate_group
+from node.machine.procgroup import terminate_group
 from supervisor.cgroup import CGROUP_NAME_RE, CgroupV2
 from supervisor.output import OutputRing, pump
 
@@ -205,7 +205,7 @@ def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[
 
 
 # -- ending a process group --------------------------------------------------
-# terminate_group (SIGTERM, grace, SIGKILL) lives in node.procgroup, shared with
+# terminate_group (SIGTERM, grace, SIGKILL) lives in node.machine.procgroup, shared with
 # reconcile; it is re-exported here.
 
 

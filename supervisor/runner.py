@@ -2,27 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import trio
 
-from node.journal import JournalError
-from node.lanes import LaneKind
+from node.machine import Machine
+from node.machine.journal import JournalError
+from node.machine.lanes import LaneKind
 from supervisor.builtins import BUILTINS
 from supervisor.invocation import Invocation
 from supervisor.process import ProcessSpec, run_process
 from supervisor.wire import BuiltinWork, ProcessWork
 
-if TYPE_CHECKING:
-    from supervisor.core import Supervisor
+__all__ = ["RunEnv", "process_spec", "run_work"]
 
-__all__ = ["process_spec", "run_work"]
+
+@dataclasses.dataclass(frozen=True)
+class RunEnv:
+    """What running work needs of the node (the supervisor passes it down)."""
+
+    machine: Machine
+    node_url: str
+    kill_grace: float
+    # Starts a task in the supervisor's nursery.
+    background: Callable[[Callable[[], Awaitable[None]]], None]
+
 
 log = logging.getLogger(__name__)
 
 
-def process_spec(sup: Supervisor, inv: Invocation, work: ProcessWork) -> ProcessSpec:
+def process_spec(sup: RunEnv, inv: Invocation, work: ProcessWork) -> ProcessSpec:
     reservation = inv.reservation
     assert reservation is not None
     lane_ids = [g.lane_id for g in reservation.lanes]
@@ -44,7 +55,7 @@ def process_spec(sup: Supervisor, inv: Invocation, work: ProcessWork) -> Process
     )
 
 
-async def run_work(sup: Supervisor, inv: Invocation) -> int:
+async def run_work(sup: RunEnv, inv: Invocation) -> int:
     work = inv.request.work
     if isinstance(work, BuiltinWork):
         return await BUILTINS[work.name](work.args, inv.stdout)

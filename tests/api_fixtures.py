@@ -23,7 +23,7 @@ from node.cli import COMMANDS
 from node.config import Config, build_config
 from node.daemon import Daemon
 from node.flags import coerce, load_flag_table, parse_argv
-from node.snapshot import NodeSnapshot
+from node.machine.snapshot import NodeSnapshot
 from supervisor.wire import InvocationState, InvocationStatus
 
 __all__ = [

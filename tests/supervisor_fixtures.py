@@ -17,11 +17,11 @@ import trio
 import trio.lowlevel
 
 from capabilities import KeyRing, LaneOp, TokenRefusal, TokenRefused, TokenService
-from node.health import HealthTransition
-from node.journal import Journal, JournalError
-from node.lanes import Isolation, LaneKind, Requirement
-from node.ledger import CapacityView
 from node.machine import Machine
+from node.machine.health import HealthTransition
+from node.machine.journal import Journal, JournalError
+from node.machine.lanes import Isolation, LaneKind, Requirement
+from node.machine.ledger import CapacityView
 from supervisor.core import Supervisor
 from supervisor.events import Dropped, EventHub
 from supervisor.lane_work import LaneExecutor, SimulatedExecutor

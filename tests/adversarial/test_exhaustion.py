@@ -21,6 +21,7 @@ import trio
 import node.daemon
 from api.app import MAX_BODY_BYTES
 from api.server import hypercorn_config
+from node.daemon import http_settings
 from tests.adversarial.fixtures import (
     MiB,
     Node,
@@ -285,7 +286,7 @@ async def test_exhaustion_oversized_headers_refused_server_survives(
 
 
 def test_exhaustion_server_timeouts_are_finite(tmp_path: pathlib.Path) -> None:
-    config = hypercorn_config(config_for(tmp_path))
+    config = hypercorn_config(http_settings(config_for(tmp_path)))
     assert config.read_timeout is not None and config.h11_max_incomplete_size is not None
     assert 0 < config.read_timeout <= 30
     assert 0 < config.keep_alive_timeout <= 30

@@ -19,9 +19,9 @@ import pytest
 import trio
 
 import node.daemon
-from node.journal import JOURNAL_FILENAME, Journal
-from node.lanes import Lane
-from node.monitor import probe_once
+from node.machine.journal import JOURNAL_FILENAME, Journal
+from node.machine.lanes import Lane
+from node.machine.monitor import probe_once
 from supervisor.lane_work import SimulatedExecutor
 from tests.adversarial.fixtures import (
     GiB,

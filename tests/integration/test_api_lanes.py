@@ -9,7 +9,7 @@ import httpx
 import msgspec
 
 from api.errors import ErrorEnvelope
-from node.lanes import LaneKind
+from node.machine.lanes import LaneKind
 from supervisor.lane_work import LaneWorkReply, TokenReply
 from tests.api_fixtures import (
     RunningDaemon,

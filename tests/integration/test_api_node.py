@@ -12,7 +12,7 @@ import trio
 
 from api.errors import ErrorEnvelope
 from node.daemon import EVENT_SUBSCRIBERS
-from node.snapshot import NodeSnapshot
+from node.machine.snapshot import NodeSnapshot
 from supervisor.wire import InvocationState
 from tests.api_fixtures import (
     bearer,

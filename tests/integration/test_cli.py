@@ -10,7 +10,7 @@ import httpx
 import msgspec
 import psutil
 
-from node.snapshot import NodeSnapshot
+from node.machine.snapshot import NodeSnapshot
 from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
 
 LISTENING = r"listening on (http://\S+)"

@@ -17,7 +17,7 @@ import trio.testing
 
 from api.telemetry import TelemetryPusher
 from node.daemon import Daemon
-from node.snapshot import NodeSnapshot
+from node.machine.snapshot import NodeSnapshot
 from tests.api_fixtures import (
     START_SECONDS,
     STOP_SECONDS,

@@ -23,11 +23,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from node.health import HealthState
-from node.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from node.journal import JOURNAL_FILENAME, Journal
-from node.lanes import Isolation, Requirement, build_lanes
-from node.ledger import Ledger, RefusalReason, Reservation, ReservationRefused, ReservationRequest
+from node.machine.health import HealthState
+from node.machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
+from node.machine.journal import JOURNAL_FILENAME, Journal
+from node.machine.lanes import Isolation, Requirement, build_lanes
+from node.machine.ledger import (
+    Ledger,
+    RefusalReason,
+    Reservation,
+    ReservationRefused,
+    ReservationRequest,
+)
 
 GiB = 1 << 30
 GPUS = ("GPU-a", "GPU-b", "GPU-m")

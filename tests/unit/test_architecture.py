@@ -10,26 +10,109 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("node", "capabilities", "supervisor", "api")
-# What each package may import of the others (DESIGN.md, "Imports point one way").
+# The layers, bottom up, and what each may import of the others (docs/architecture.md).
+# "node" is the application (CLI, flags, config, daemon wiring): it may import every
+# layer and no layer may import it.
+LAYERS = ("node.machine", "capabilities", "supervisor", "api", "node")
 ALLOWED = {
+    "node.machine": set(),
     "capabilities": set(),
-    "node": set(),
-    "supervisor": {"node", "capabilities"},
-    "api": {"node", "capabilities", "supervisor"},
+    "supervisor": {"node.machine", "capabilities"},
+    "api": {"node.machine", "capabilities", "supervisor"},
+    "node": {"node.machine", "capabilities", "supervisor", "api"},
 }
-# Only these modules wire everything together.
-COMPOSITION_ROOTS = {"node/daemon.py", "node/cli.py", "node/__main__.py"}
+# The modules of the project, by dotted name, found from the files in the checkout.
+MODULES = {
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+    for package in PACKAGES
+    for path in sorted((ROOT / package).rglob("*.py"))
+}
+
+
+def layer_of(module: str) -> str | None:
+    if module == "node.machine" or module.startswith("node.machine."):
+        return "node.machine"
+    top = module.split(".")[0]
+    return top if top in PACKAGES else None
+
+
+def _imports(module: str) -> set[str]:
+    """The project modules `module` imports, lazy and type-only imports included."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in MODULES else base)
+    return {name for name in found if name in MODULES}
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def test_the_machine_model_is_its_own_subpackage() -> None:
+    assert (ROOT / "node" / "machine" / "__init__.py").exists()
+    assert {layer_of(m) for m in MODULES} == set(LAYERS)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_imports_point_one_way(layer: str) -> None:
+    for module, imported in GRAPH.items():
+        if layer_of(module) != layer:
+            continue
+        wrong = {layer_of(name) for name in imported} - ALLOWED[layer] - {layer}
+        assert not wrong, f"{module} imports {sorted(str(w) for w in wrong)}"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of imports as a path that ends where it starts, or None."""
+    done: set[str] = set()
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        stack.append(module)
+        for name in sorted(graph.get(module, set())):
+            if name in stack:
+                return [*stack[stack.index(name) :], name]
+            if name not in done and (cycle := visit(name)):
+                return cycle
+        stack.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if module not in done and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles_between_modules() -> None:
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
 
 PUBLIC_NAMES: dict[str, set[str]] = {
-    "node": {
-        "Config",
-        "FlagError",
+    "node": {"Config", "FlagError", "build_config"},
+    "node.machine": {
         "Ledger",
         "Machine",
         "NodeSnapshot",
         "Readiness",
         "ReservationRefused",
-        "build_config",
+        "snapshot_once",
     },
     "capabilities": {
         "DEADLINE_MARGIN",
@@ -70,26 +153,6 @@ PUBLIC_NAMES: dict[str, set[str]] = {
 }
 
 
-def _imported_packages(path: pathlib.Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return found & set(PACKAGES)
-
-
-@pytest.mark.parametrize("package", PACKAGES)
-def test_imports_point_one_way(package: str) -> None:
-    for path in sorted((ROOT / package).rglob("*.py")):
-        relative = path.relative_to(ROOT).as_posix()
-        if relative in COMPOSITION_ROOTS:
-            continue
-        wrong = _imported_packages(path) - ALLOWED[package] - {package}
-        assert not wrong, f"{relative} imports {sorted(wrong)}"
-
-
 @pytest.mark.parametrize("package", PACKAGES)
 def test_packages_load_from_the_checkout(package: str) -> None:
     module = importlib.import_module(package)
@@ -97,7 +160,7 @@ def test_packages_load_from_the_checkout(package: str) -> None:
     assert pathlib.Path(module.__file__).resolve() == ROOT / package / "__init__.py"
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", sorted(PUBLIC_NAMES))
 def test_public_names(package: str) -> None:
     module = importlib.import_module(package)
     assert set(module.__all__) == PUBLIC_NAMES[package]

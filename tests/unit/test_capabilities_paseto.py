@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 
 from capabilities import TokenRefusal, TokenRefused, paseto
 
-VECTORS = pathlib.Path(__file__).resolve().parents[3] / "shared" / "vectors" / "paseto"
+VECTORS = pathlib.Path(__file__).resolve().parents[1] / "vectors" / "paseto"
 
 
 def _load(name: str) -> list[dict[str, Any]]:

@@ -8,8 +8,8 @@ import pathlib
 import msgspec
 import pytest
 
-import api.schemas as schemas
-from api.schemas import check_contracts, render_contracts, write_contracts
+import node.contracts as schemas
+from node.contracts import check_contracts, render_contracts, write_contracts
 
 
 def test_checked_in_contracts_match_the_types() -> None:

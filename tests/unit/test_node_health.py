@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.health import (
+from node.machine.health import (
     ALLOCATABLE_STATES,
     DEFAULT_FATAL_XIDS,
     TRANSITIONS,
@@ -13,7 +13,7 @@ from node.health import (
     HealthTransition,
     Signal,
 )
-from node.inventory import Probe, ProbeStatus
+from node.machine.inventory import Probe, ProbeStatus
 
 GPU = "GPU-aaaa"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
-from node.discovery_host import discover_host, read_cgroup_limits
+from node.machine.discovery_host import discover_host, read_cgroup_limits
 
 GiB = 1 << 30
 

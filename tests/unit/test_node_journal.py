@@ -12,10 +12,10 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import trio
 
-from node.journal import JOURNAL_FILENAME, Journal, JournalUnsafe, UnsafeReason
-from node.lanes import Isolation, LaneKind, Requirement
-from node.ledger import LaneGrant, Reservation
-from node.reconcile import reconcile
+from node.machine.journal import JOURNAL_FILENAME, Journal, JournalUnsafe, UnsafeReason
+from node.machine.lanes import Isolation, LaneKind, Requirement
+from node.machine.ledger import LaneGrant, Reservation
+from node.machine.reconcile import reconcile
 
 
 def reservation(rid: str, cpu: int = 100) -> Reservation:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from node.health import HealthState
-from node.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from node.lanes import Isolation, LaneKind, Requirement, build_lanes, lane_id_for
-from node.ledger import (
+from node.machine.health import HealthState
+from node.machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
+from node.machine.lanes import Isolation, LaneKind, Requirement, build_lanes, lane_id_for
+from node.machine.ledger import (
     Ledger,
     RefusalReason,
     ReservationRefused,

@@ -9,11 +9,11 @@ import pytest
 import trio
 import trio.testing
 
-from node.health import HealthState, HealthTransition
-from node.journal import Journal, JournalUnsafe
-from node.lanes import Isolation, Requirement
-from node.ledger import RefusalReason, Reservation, ReservationRefused, ReservationRequest
 from node.machine import Machine
+from node.machine.health import HealthState, HealthTransition
+from node.machine.journal import Journal, JournalUnsafe
+from node.machine.lanes import Isolation, Requirement
+from node.machine.ledger import RefusalReason, Reservation, ReservationRefused, ReservationRequest
 
 GiB = 1 << 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sim-workstation.toml"

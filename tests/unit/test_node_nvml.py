@@ -6,11 +6,11 @@ import threading
 
 import trio
 
-from node.discovery import discover
-from node.health import HealthState, HealthTracker, HealthTransition
-from node.inventory import Inventory, ProbeStatus
-from node.lanes import LaneKind, build_lanes, lane_id_for
-from node.monitor import probe_once
+from node.machine.discovery import discover
+from node.machine.health import HealthState, HealthTracker, HealthTransition
+from node.machine.inventory import Inventory, ProbeStatus
+from node.machine.lanes import LaneKind, build_lanes, lane_id_for
+from node.machine.monitor import probe_once
 from tests.fakes.fake_pynvml import FakeGpu, FakeMig, FakeNvml, NVMLError_LibraryNotFound
 
 GiB = 1 << 30

@@ -13,9 +13,9 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import trio
 
-import node.procgroup
-from node.journal import Journal
-from node.reconcile import reconcile
+import node.machine.procgroup
+from node.machine.journal import Journal
+from node.machine.reconcile import reconcile
 from tests.unit.test_node_journal import reservation
 
 # The grandchild ignores SIGTERM (inherited across exec) and says so once it does.
@@ -103,12 +103,12 @@ async def test_reused_group_with_older_members_is_never_touched(tmp_path: Path) 
 async def test_group_surviving_sigkill_keeps_its_reservation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real = node.procgroup.signal_group
+    real = node.machine.procgroup.signal_group
 
     def no_sigkill(pgid: int, signum: int) -> bool:  # as if stuck in the kernel
         return True if signum == signal.SIGKILL else real(pgid, signum)
 
-    monkeypatch.setattr(node.procgroup, "signal_group", no_sigkill)
+    monkeypatch.setattr(node.machine.procgroup, "signal_group", no_sigkill)
     async with group(f"{STUBBORN} & wait") as (leader, start):
         with journal_with(tmp_path, leader.pid, start) as journal:
             report = await reconcile(journal, grace=0.3, kill_wait=0.3)

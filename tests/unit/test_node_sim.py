@@ -8,11 +8,11 @@ import pytest
 import trio
 import trio.testing
 
-from node.discovery import DiscoveryError, discover
-from node.discovery_sim import SimError, load_sim_spec, parse_size
-from node.health import HealthState, HealthTracker, HealthTransition
-from node.lanes import LaneKind, build_lanes
-from node.monitor import monitor_devices
+from node.machine.discovery import DiscoveryError, discover
+from node.machine.discovery_sim import SimError, load_sim_spec, parse_size
+from node.machine.health import HealthState, HealthTracker, HealthTransition
+from node.machine.lanes import LaneKind, build_lanes
+from node.machine.monitor import monitor_devices
 
 GiB = 1 << 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sim-workstation.toml"

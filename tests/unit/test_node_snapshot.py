@@ -9,13 +9,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from node.discovery import discover
-from node.health import HealthState, HealthTracker
-from node.inventory import Inventory
-from node.lanes import Isolation, Requirement, build_lanes
-from node.ledger import Ledger, ReservationRequest
-from node.monitor import sync_ledger
-from node.snapshot import SCHEMA_VERSION, NodeSnapshot, build_snapshot, rfc3339
+from node.machine.discovery import discover
+from node.machine.health import HealthState, HealthTracker
+from node.machine.inventory import Inventory
+from node.machine.lanes import Isolation, Requirement, build_lanes
+from node.machine.ledger import Ledger, ReservationRequest
+from node.machine.monitor import sync_ledger
+from node.machine.snapshot import SCHEMA_VERSION, NodeSnapshot, build_snapshot, rfc3339
 
 GiB = 1 << 30
 _TYPES = {

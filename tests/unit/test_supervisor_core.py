@@ -11,8 +11,8 @@ import trio
 import trio.testing
 
 from capabilities import LaneOp
-from node.health import HealthState, HealthTransition, Signal
-from node.lanes import Isolation, Requirement
+from node.machine.health import HealthState, HealthTransition, Signal
+from node.machine.lanes import Isolation, Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
 from supervisor.wire import (

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from node.lanes import Isolation, Requirement
+from node.machine.lanes import Isolation, Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.wire import (
     EventKind,

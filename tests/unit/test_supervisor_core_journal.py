@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from node.health import Signal
-from node.lanes import Requirement
+from node.machine.health import Signal
+from node.machine.lanes import Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
 from supervisor.wire import InvocationState

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from capabilities import LaneOp, TokenRefused
-from node.health import Signal
-from node.lanes import Isolation, Requirement
+from node.machine.health import Signal
+from node.machine.lanes import Isolation, Requirement
 from supervisor.process import ProcessStuck
 from supervisor.wire import InvocationState
 from tests.supervisor_fixtures import (

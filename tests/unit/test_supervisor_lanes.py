@@ -15,7 +15,7 @@ import trio.testing
 
 from capabilities import Isolation as TokenIsolation
 from capabilities import LaneOp, TokenRefusal, TokenRefused
-from node.lanes import Isolation, Lane, LaneKind, Requirement
+from node.machine.lanes import Isolation, Lane, LaneKind, Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.lane_owner import LaneBusy, LaneWorkError
 from supervisor.lane_work import (

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from node.inventory import (
+from node.machine.inventory import (
     CpuInfo,
     GpuDevice,
     Inventory,

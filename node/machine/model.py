@@ -19,15 +19,15 @@ from typing import Any, TypeVar
 
 import trio
 
-from node.discovery import discover
-from node.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
-from node.inventory import Inventory
-from node.journal import Journal, JournalError, JournalReplay
-from node.lanes import build_lanes
-from node.ledger import Ledger, Reservation, ReservationRequest
-from node.monitor import monitor_devices, sync_ledger
-from node.reconcile import ReconcileReport, reconcile
-from node.snapshot import NodeSnapshot, build_snapshot
+from node.machine.discovery import discover
+from node.machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
+from node.machine.inventory import Inventory
+from node.machine.journal import Journal, JournalError, JournalReplay
+from node.machine.lanes import build_lanes
+from node.machine.ledger import Ledger, Reservation, ReservationRequest
+from node.machine.monitor import monitor_devices, sync_ledger
+from node.machine.reconcile import ReconcileReport, reconcile
+from node.machine.snapshot import NodeSnapshot, build_snapshot
 
 __all__ = ["Machine", "snapshot_once"]
 

@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import trio
 
-from node.discovery_host import discover_host
-from node.discovery_nvml import NvmlUnavailable, open_nvml
-from node.discovery_sim import SimError, discover_sim, load_sim_spec
-from node.inventory import Inventory
+from node.machine.discovery_host import discover_host
+from node.machine.discovery_nvml import NvmlUnavailable, open_nvml
+from node.machine.discovery_sim import SimError, discover_sim, load_sim_spec
+from node.machine.inventory import Inventory
 
 __all__ = ["MODES", "DiscoveryError", "discover"]
 

@@ -12,12 +12,13 @@ from typing import Any
 
 import msgspec
 
+import api
 from api.errors import ErrorEnvelope
 from api.openapi import openapi_document
 from api.wire import DrainReply
 from capabilities import Claims
 from node.config import Config
-from node.snapshot import NodeSnapshot
+from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
     InvocationList,
@@ -35,7 +36,7 @@ __all__ = [
     "write_contracts",
 ]
 
-CONTRACTS_DIR = pathlib.Path(__file__).resolve().parent / "contracts"
+CONTRACTS_DIR = pathlib.Path(api.__file__).resolve().parent / "contracts"
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 ID_BASE = "https://schemas.litegraph.dev/node/"
 

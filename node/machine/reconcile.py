@@ -34,9 +34,9 @@ import msgspec
 import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
-from node.journal import Journal, ProcessRecord
-from node.ledger import Ledger
-from node.procgroup import GroupMember, group_members, terminate_group
+from node.machine.journal import Journal, ProcessRecord
+from node.machine.ledger import Ledger
+from node.machine.procgroup import GroupMember, group_members, terminate_group
 
 __all__ = ["ReconcileReport", "reconcile"]
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from node.inventory import Probe, ProbeStatus
+from node.machine.inventory import Probe, ProbeStatus
 
 __all__ = [
     "ALLOCATABLE_STATES",

@@ -13,7 +13,7 @@ import hashlib
 
 import msgspec
 
-from node.inventory import Inventory
+from node.machine.inventory import Inventory
 
 __all__ = [
     "CPU_POOL_UUID",

@@ -4,7 +4,7 @@ Every discovery backend (psutil host facts, NVML, the simulator) produces these
 types; nothing here does I/O. Device readings taken after discovery arrive as
 `Probe`s through a `DeviceSource`, which the health tracker classifies.
 
-The types are internal (not wire types): `node.snapshot` turns them into the
+The types are internal (not wire types): `node.machine.snapshot` turns them into the
 NodeSnapshot. They never hold a driver handle; NVML handles stay inside the
 NVML backend.
 """

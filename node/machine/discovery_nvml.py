@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from node.inventory import GpuDevice, MigInstance, Probe, ProbeStatus
+from node.machine.inventory import GpuDevice, MigInstance, Probe, ProbeStatus
 
 __all__ = ["NvmlSource", "NvmlUnavailable", "open_nvml"]
 

@@ -11,20 +11,35 @@ Pure: reads the ledger, changes nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from node.lanes import Isolation, Lane, LaneKind, Requirement
-from node.ledger import LaneGrant, RefusalReason, ReservationRefused, ReservationRequest
+from node.machine.lanes import Isolation, Lane, LaneKind, Requirement
+from node.machine.reservation import (
+    LaneGrant,
+    RefusalReason,
+    ReservationRefused,
+    ReservationRequest,
+)
 
-if TYPE_CHECKING:
-    from node.ledger import Ledger
+__all__ = ["LedgerView", "place"]
 
-__all__ = ["place"]
+
+class LedgerView(Protocol):
+    """What placement reads of the ledger (the ledger calls placement, not the reverse)."""
+
+    def lanes(self) -> tuple[Lane, ...]: ...
+    def lane(self, lane_id: str) -> Lane | None: ...
+    def is_drained(self, lane_id: str) -> bool: ...
+    def available(self, lane_id: str) -> bool: ...
+    def holders(self, lane_id: str) -> int: ...
+    def is_exclusive(self, lane_id: str) -> bool: ...
+    def vram_free(self, lane_id: str) -> int: ...
+
 
 _EXCLUSIVE = frozenset({Isolation.DEDICATED, Isolation.PARTITIONED})
 
 
-def place(ledger: Ledger, request: ReservationRequest) -> tuple[LaneGrant, ...]:
+def place(ledger: LedgerView, request: ReservationRequest) -> tuple[LaneGrant, ...]:
     if request.requirement is Requirement.CPU:
         return (_cpu_grant(ledger, request),)
     if request.requirement is Requirement.GPU:
@@ -42,7 +57,7 @@ def place(ledger: Ledger, request: ReservationRequest) -> tuple[LaneGrant, ...]:
 
 
 def _cpu_grant(
-    ledger: Ledger, request: ReservationRequest, *, ignore_vram: bool = False
+    ledger: LedgerView, request: ReservationRequest, *, ignore_vram: bool = False
 ) -> LaneGrant:
     cpu = next((lane for lane in ledger.lanes() if lane.kind is LaneKind.CPU), None)
     if cpu is None or (request.lane_id is not None and request.lane_id != cpu.lane_id):
@@ -61,7 +76,7 @@ def _cpu_grant(
     return LaneGrant(lane_id=cpu.lane_id, kind=cpu.kind, device_id=cpu.device_id, visible_uuid=None)
 
 
-def _candidates(ledger: Ledger, request: ReservationRequest) -> list[Lane]:
+def _candidates(ledger: LedgerView, request: ReservationRequest) -> list[Lane]:
     iso = request.isolation
     if request.lane_id is not None:
         lane = ledger.lane(request.lane_id)
@@ -89,7 +104,7 @@ def _candidates(ledger: Ledger, request: ReservationRequest) -> list[Lane]:
     return usable
 
 
-def _gpu_grants(ledger: Ledger, request: ReservationRequest) -> tuple[LaneGrant, ...]:
+def _gpu_grants(ledger: LedgerView, request: ReservationRequest) -> tuple[LaneGrant, ...]:
     iso = request.isolation
     lanes = _candidates(ledger, request)
     exclusive = iso in _EXCLUSIVE

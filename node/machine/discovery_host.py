@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
-from node.inventory import CpuInfo, MemoryInfo
+from node.machine.inventory import CpuInfo, MemoryInfo
 
 __all__ = ["CgroupLimits", "discover_host", "read_cgroup_limits"]
 

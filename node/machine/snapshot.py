@@ -14,10 +14,10 @@ from collections.abc import Iterable
 
 import msgspec
 
-from node.health import HealthState, HealthTracker
-from node.inventory import GpuDevice, Inventory
-from node.lanes import Isolation, LaneKind
-from node.ledger import Ledger, ResourceAmounts
+from node.machine.health import HealthState, HealthTracker
+from node.machine.inventory import GpuDevice, Inventory
+from node.machine.lanes import Isolation, LaneKind
+from node.machine.ledger import Ledger, ResourceAmounts
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import trio
 
-from node.health import HealthState, HealthTracker
-from node.inventory import DeviceSource, Probe, ProbeStatus
-from node.ledger import Ledger
+from node.machine.health import HealthState, HealthTracker
+from node.machine.inventory import DeviceSource, Probe, ProbeStatus
+from node.machine.ledger import Ledger
 
 __all__ = ["monitor_devices", "probe_once", "sync_ledger"]
 

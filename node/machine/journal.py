@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from node.ledger import Reservation
+from node.machine.ledger import Reservation
 
 __all__ = [
     "JOURNAL_FILENAME",

@@ -1,0 +1,71 @@
+"""The repository stands alone: nothing it tracks reaches outside its own root."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# A reference that climbs out of the repository to a sibling folder, or names the
+# folder this checkout happens to sit in.
+OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w.])shared/(?:vectors|DESIGN|FLAGS|REFERENCE)\b")
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def tracked_files() -> list[pathlib.Path]:
+    out = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    files = [ROOT / name for name in out.decode().split("\0") if name]
+    return [path for path in files if path.is_file() and not path.is_symlink()]
+
+
+def text_of(path: pathlib.Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def outside_references(text: str, parent: str) -> list[str]:
+    found = [m.group(0) for m in OUTSIDE.finditer(text)]
+    found += [parent] if f"{parent}/" in text else []
+    return found
+
+
+def test_no_tracked_file_reaches_outside_the_repository() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing lists the tracked files")
+    parent = str(ROOT.parent)
+    problems = [
+        f"{path.relative_to(ROOT)}: {refs}"
+        for path in tracked_files()
+        if path != pathlib.Path(__file__).resolve()
+        and (text := text_of(path)) is not None
+        and (refs := outside_references(text, parent))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_sees_an_outside_reference() -> None:
+    assert outside_references("see [DESIGN](../shared/DESIGN.md)", "/srv")
+    assert outside_references("VECTORS = ROOT / 'shared' / 'x'; shared/vectors/paseto", "/srv")
+    assert outside_references("open('/srv/other/file')", "/srv")
+    assert not outside_references("isolation: shared, on /dev/nvidia0 and /proc/1/stat", "/srv")
+
+
+def markdown_files() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_resolves_inside_the_repository(path: pathlib.Path) -> None:
+    for target in MARKDOWN_LINK.findall(path.read_text(encoding="utf-8")):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL or an anchor on the same page
+        resolved = (path.parent / target.split("#")[0]).resolve()
+        assert resolved.is_relative_to(ROOT), f"{path.name} links outside: {target}"
+        assert resolved.exists(), f"{path.name} links to a missing file: {target}"
