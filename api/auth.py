@@ -2,8 +2,9 @@
 
 The secrets live in a JSON file (`--auth-file`, default `<state-dir>/auth.json`)
 that must be a regular file of mode 0600 owned by us; `dev` creates it on
-first run. Comparison is constant-time and checks every role, so timing
-says nothing about which secret came close.
+first run. The two secrets must differ, or the daemon refuses to start.
+Comparison is constant-time and checks every role, so timing says nothing
+about which secret came close.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def load_auth(path: pathlib.Path) -> AuthFile:
     for role in Role:
         if len(getattr(auth, role.value)) < _MIN_SECRET_CHARS:
             raise AuthError(f"auth file {path}: the {role} secret is shorter than 32 characters")
+    # One secret for both roles would hand the scheduler the admin's powers (drain).
+    if hmac.compare_digest(auth.scheduler.encode(), auth.admin.encode()):
+        raise AuthError(
+            f"auth file {path}: the scheduler and admin secrets are the same; "
+            "give each role its own secret"
+        )
     return auth
 
 

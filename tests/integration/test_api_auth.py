@@ -115,6 +115,17 @@ async def test_symlinked_auth_file_refuses_start(tmp_path: pathlib.Path) -> None
     assert str(link) in message
 
 
+async def test_identical_scheduler_and_admin_secrets_refuse_start(tmp_path: pathlib.Path) -> None:
+    """One secret for both roles would let the scheduler drain lanes."""
+    auth_path = tmp_path / "auth.json"
+    same = "s" * 40
+    auth_path.write_bytes(msgspec.json.encode({"scheduler": same, "admin": same}))
+    auth_path.chmod(0o600)
+    message = await _refused_start(tmp_path, auth_path)
+    assert str(auth_path) in message and "same" in message
+    assert "\n" not in message and same not in message
+
+
 def _serve_with_auth_file(
     tmp_path: pathlib.Path,
 ) -> tuple[pathlib.Path, subprocess.CompletedProcess[str]]:
