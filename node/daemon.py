@@ -193,6 +193,7 @@ class Daemon:
         self.machine = machine = await self._open_machine(state_dir)
         self.readiness.done("discovery")
         self.readiness.done("journal")
+        self.readiness.check("journal", machine.journal_problem)
         for reason in machine.inventory.readiness_reasons:
             # Only an operator who demanded NVML is not ready without it.
             if config.devices is DeviceMode.nvml:
@@ -219,6 +220,7 @@ class Daemon:
         self.context.metrics.snapshot = snapshots.current
         self.context.metrics.invocation_counts = supervisor.counts
         self.readiness.done("supervisor")
+        nursery.start_soon(machine.watch_journal)
         nursery.start_soon(
             functools.partial(
                 machine.monitor,

@@ -25,6 +25,7 @@ from node.machine.health import HealthState, HealthTransition
 from node.machine.journal import JournalError
 from node.machine.lanes import Isolation, LaneKind, Requirement
 from node.machine.ledger import ReservationRefused, ReservationRequest
+from node.machine.model import JOURNAL_RETRY_INTERVAL
 from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
 from supervisor.events import EventHub
 from supervisor.invocation import Invocation, utc_now
@@ -242,7 +243,10 @@ class Supervisor:
         except (OSError, JournalError, trio.TooSlowError) as exc:
             # Nothing was reserved (the machine gave it back); the node's fault, say so.
             raise AdmissionRefused(
-                503, "journal_unavailable", f"the reservation could not be journaled: {exc}"
+                503,
+                "journal_unavailable",
+                f"the reservation could not be journaled: {exc}",
+                retry_after=JOURNAL_RETRY_INTERVAL,
             ) from None
         deadline = inv.wall_deadline = time.time() + request.timeout_s
         try:

@@ -1,11 +1,31 @@
 """The reservation journal: an fsync'd append-only log under the state dir.
 
 Each record is framed as 4-byte big-endian length, 4-byte CRC32 of the
-payload, then the msgpack payload (a tagged msgspec Struct). A crash at any
-instant leaves a readable prefix: on open, replay stops at the first torn or
-corrupt frame, logs what it dropped, truncates the file there and carries on
-(it never refuses to start over a bad tail). Compaction rewrites the live
-state to a temp file, fsyncs it and renames it over the log (atomic).
+payload, then the msgpack payload (a tagged msgspec Struct). Compaction
+rewrites the live state to a temp file, fsyncs it and renames it over the
+log (atomic).
+
+Writing. An append is one frame, written and fsynced; only then is it applied
+to the live state. If the write or the fsync fails (a full disk, an I/O
+error), the file is truncated back to the end of the last good record and the
+error is raised, so a record never follows a partial one. Until a write
+succeeds again, `write_problem` says why (the daemon's readiness shows it). If
+even the truncation fails, appends are refused until it succeeds.
+
+Reading (on open). A crash can tear only the record being appended, the last
+one, and only by ending the file early: a *torn last record* is fewer than 8
+header bytes at the end of the file, or a header whose declared length
+(within the bound) runs past the end of the file with no complete record
+anywhere after it. A torn tail is copied to `<journal>.torn` (replacing an
+older copy), then truncated away, with a warning naming the offset. Anything
+else is corruption: a length over the bound, a complete frame whose CRC
+fails (even the last one: the filesystem never shows a whole frame with
+wrong bytes after a crash), a payload that does not decode, or a length that
+runs past the end of the file while complete records follow it. Corruption
+raises `JournalCorrupt`, one line naming the file and the byte offset, and
+the file is left exactly as it was. A 0-byte journal (created and never
+written, or compacted when nothing was live) is a journal with no records:
+it opens with an info line saying so.
 
 The file is created with mode 0600; a journal path that is a symlink, not a
 regular file, owned by someone else or open to group/others is refused with
@@ -30,6 +50,7 @@ from node.machine.ledger import Reservation
 __all__ = [
     "JOURNAL_FILENAME",
     "Journal",
+    "JournalCorrupt",
     "JournalError",
     "JournalReplay",
     "JournalUnsafe",
@@ -47,6 +68,9 @@ JOURNAL_FILENAME = "reservations.journal"
 _HEADER = struct.Struct(">II")
 # No honest record comes near this; a bigger length means a corrupt header.
 MAX_RECORD_BYTES = 1 << 20
+# Looking for whole records after a length that runs past the end of the file reads
+# at most this many payload bytes; past it the tail is judged corrupt (fail closed).
+_RESYNC_BUDGET = 64 << 20
 
 
 class ReserveRecord(msgspec.Struct, frozen=True, kw_only=True, tag="reserve"):
@@ -87,7 +111,7 @@ class JournalReplay(msgspec.Struct, frozen=True, kw_only=True):
     processes: dict[int, ProcessRecord]
     records: int
     dropped_bytes: int = 0
-    problem: str | None = None  # why the tail was dropped, if it was
+    problem: str | None = None  # why a torn tail was dropped, if one was
 
 
 class JournalError(Exception):
@@ -106,6 +130,19 @@ class JournalUnsafe(JournalError):
         self.reason = reason
         self.path = path
         super().__init__(f"{reason.value}: refusing journal at {path}")
+
+
+class JournalCorrupt(JournalError):
+    """The journal is damaged where a crash cannot damage it: nothing is dropped."""
+
+    def __init__(self, path: Path, offset: int, problem: str) -> None:
+        self.path = path
+        self.offset = offset
+        self.problem = problem
+        super().__init__(
+            f"journal {path} is corrupt at byte {offset} ({problem}); the file is left "
+            "as it was: inspect it, or move it aside to start without it"
+        )
 
 
 def _frame(record: Record) -> bytes:
@@ -167,29 +204,102 @@ class _State:
         return out
 
 
-def _replay(data: bytes, state: _State) -> tuple[int, int, str | None]:
-    """Apply every good frame; returns (records, good_length, problem)."""
+class _Scan(msgspec.Struct, frozen=True):
+    records: int
+    good: int  # bytes of whole, good records from the start of the file
+    problem: str | None = None
+    torn: bool = False  # the problem is a torn last record, not corruption
+
+
+def _frame_at(data: bytes, offset: int) -> Record | None:
+    """The record whose whole, good frame starts at `offset`, else None."""
+    if len(data) - offset < _HEADER.size:
+        return None
+    length, crc = _HEADER.unpack_from(data, offset)
+    start = offset + _HEADER.size
+    if length > MAX_RECORD_BYTES or start + length > len(data):
+        return None
+    payload = data[start : start + length]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError:
+        return None
+
+
+def _frame_after(data: bytes, offset: int) -> bool:
+    """Does a whole, good frame start anywhere after `offset`? (A torn record is the
+    last thing in the file; a corrupted length is followed by the records it hides.)"""
+    budget = _RESYNC_BUDGET
+    for at in range(offset + 1, len(data) - _HEADER.size + 1):
+        length = _HEADER.unpack_from(data, at)[0]
+        if length > MAX_RECORD_BYTES or at + _HEADER.size + length > len(data):
+            continue
+        budget -= length
+        if budget < 0 or _frame_at(data, at) is not None:
+            return True
+    return False
+
+
+def _replay(data: bytes, state: _State) -> _Scan:
+    """Apply every good frame from the start; say where and why it stopped."""
     offset = count = 0
     while offset < len(data):
         if len(data) - offset < _HEADER.size:
-            return count, offset, "torn_header"
+            return _Scan(count, offset, "torn_header", torn=True)
         length, crc = _HEADER.unpack_from(data, offset)
         if length > MAX_RECORD_BYTES:
-            return count, offset, "bad_length"
+            return _Scan(count, offset, "bad_length")
         start = offset + _HEADER.size
+        if start + length > len(data):
+            if _frame_after(data, offset):
+                return _Scan(count, offset, "bad_length")
+            return _Scan(count, offset, "torn_record", torn=True)
         payload = data[start : start + length]
-        if len(payload) < length:
-            return count, offset, "torn_record"
         if zlib.crc32(payload) != crc:
-            return count, offset, "bad_crc"
+            return _Scan(count, offset, "bad_crc")
         try:
             record = _decoder.decode(payload)
         except msgspec.DecodeError:
-            return count, offset, "undecodable_record"
+            return _Scan(count, offset, "undecodable_record")
         state.apply(record)
         count += 1
         offset = start + length
-    return count, offset, None
+    return _Scan(count, offset)
+
+
+def _write_aside(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` (0600): temp file, fsync, rename, fsync the dir."""
+    tmp = path.with_name("." + path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _drop_torn_tail(path: Path, fd: int, data: bytes, scan: _Scan) -> None:
+    """Keep a copy of the torn bytes, then truncate them away."""
+    aside = path.with_name(path.name + ".torn")
+    _write_aside(aside, data[scan.good :])
+    log.warning(
+        "journal %s: %s at byte %d (a write cut short by a crash); %d bytes after %d good "
+        "records copied to %s and dropped",
+        path,
+        scan.problem,
+        scan.good,
+        len(data) - scan.good,
+        scan.records,
+        aside,
+    )
+    os.ftruncate(fd, scan.good)
+    os.fsync(fd)
 
 
 class Journal:
@@ -197,19 +307,32 @@ class Journal:
     a worker thread where blocking the event loop matters."""
 
     def __init__(
-        self, path: Path, fd: int, state: _State, records: int, *, durable: bool, compact_every: int
+        self,
+        path: Path,
+        fd: int,
+        state: _State,
+        records: int,
+        size: int,
+        *,
+        durable: bool,
+        compact_every: int,
     ) -> None:
         self.path = path
         self._fd = fd
         self._state = state
         self._records = records
+        self._size = size  # end of the last good record: where a failed write is cut back to
         self._durable = durable
         self._compact_every = compact_every
+        # Why the last write failed, until one succeeds (readiness shows it).
+        self.write_problem: str | None = None
+        self._partial = False  # a failed write's bytes are still at the end of the file
 
     @classmethod
     def open(
         cls, state_dir: Path, *, durable: bool = True, compact_every: int = 1024
     ) -> tuple[Journal, JournalReplay]:
+        """Open and replay; raises JournalUnsafe or JournalCorrupt (the file untouched)."""
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = state_dir / JOURNAL_FILENAME
         try:
@@ -229,20 +352,13 @@ class Journal:
             with open(fd, "rb", closefd=False) as reader:
                 data = reader.read()
             state = _State()
-            records, good, problem = _replay(data, state)
-            if problem is not None:
-                # Recover up to the last good record; the lost tail was never acknowledged
-                # as durable to anyone but the dead daemon.
-                log.warning(
-                    "journal %s: %s at byte %d; dropped %d bytes after %d good records",
-                    path,
-                    problem,
-                    good,
-                    len(data) - good,
-                    records,
-                )
-                os.ftruncate(fd, good)
-                os.fsync(fd)
+            scan = _replay(data, state)
+            if scan.problem is not None and not scan.torn:
+                raise JournalCorrupt(path, scan.good, scan.problem)
+            if scan.torn:
+                _drop_torn_tail(path, fd, data, scan)
+            elif not data and not created:
+                log.info("journal %s is empty: no reservations to recover", path)
             if created:
                 _fsync_dir(state_dir)
         except BaseException:
@@ -251,19 +367,43 @@ class Journal:
         replay = JournalReplay(
             reservations=dict(state.reservations),
             processes=dict(state.processes),
-            records=records,
-            dropped_bytes=len(data) - good,
-            problem=problem,
+            records=scan.records,
+            dropped_bytes=len(data) - scan.good,
+            problem=scan.problem,
         )
-        return cls(path, fd, state, records, durable=durable, compact_every=compact_every), replay
+        journal = cls(
+            path,
+            fd,
+            state,
+            scan.records,
+            scan.good,
+            durable=durable,
+            compact_every=compact_every,
+        )
+        return journal, replay
 
     # -- appending ------------------------------------------------------------------
     def _append(self, record: Record) -> None:
         if self._fd < 0:
             raise JournalError("journal is closed")
-        _write_all(self._fd, _frame(record))
-        if self._durable:
-            os.fsync(self._fd)
+        if self._partial:
+            self._cut_back()
+            if self._partial:
+                raise JournalError(f"journal {self.path}: a partial record could not be removed")
+        frame = _frame(record)
+        try:
+            _write_all(self._fd, frame)
+            if self._durable:
+                os.fsync(self._fd)
+        except OSError as exc:
+            # Not durable, so not applied; cut the partial frame off so that the next
+            # record does not land behind it (a restart would drop everything after it).
+            self.write_problem = f"write failed: {exc}"
+            self._partial = True
+            self._cut_back()
+            raise
+        self._size += len(frame)
+        self.write_problem = None
         self._state.apply(record)
         self._records += 1
         live = len(self._state.reservations) + len(self._state.processes)
@@ -274,6 +414,25 @@ class Journal:
                 # The record above is written and fsynced: it stands. Compaction is
                 # retried on the next append.
                 log.exception("journal %s: compaction failed; will retry", self.path)
+
+    def _cut_back(self) -> None:
+        """Truncate to the end of the last good record; on failure, stay partial."""
+        try:
+            os.ftruncate(self._fd, self._size)
+            if self._durable:
+                os.fsync(self._fd)
+        except OSError as exc:
+            log.error("journal %s: could not remove a partial record: %s", self.path, exc)
+            return
+        self._partial = False
+
+    def recover(self) -> None:
+        """After a failed write, prove the disk takes writes again: rewrite the journal
+        (compaction writes and fsyncs every live record). Raises while it still fails."""
+        if self.write_problem is None:
+            return
+        self.compact()
+        self.write_problem = None
 
     def record_reserve(self, reservation: Reservation) -> None:
         self._append(ReserveRecord(reservation=reservation))
@@ -326,6 +485,8 @@ class Journal:
             raise
         old_fd, self._fd = self._fd, new_fd
         self._records = len(records)
+        self._size = os.fstat(new_fd).st_size
+        self._partial = False  # the old file, partial tail and all, is gone
         os.close(old_fd)
         _fsync_dir(self.path.parent)
 

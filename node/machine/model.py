@@ -7,6 +7,10 @@ and reconciles leftovers of a dead daemon. Reserving journals the grant
 journal cannot record it the ledger gives it back and the caller gets the
 error. Release frees the ledger first, synchronously, so resources are free
 the moment the work ends, then journals the release.
+
+While the journal cannot write (a full disk), `journal_problem()` says why;
+`watch_journal` retries in the background so an idle node notices when the
+disk takes writes again, and any write that succeeds clears it as well.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ T = TypeVar("T")
 
 # How long shutdown waits for a journal write still running in its worker thread.
 JOURNAL_CLOSE_WAIT = 5.0
+# How often a journal that failed a write is retried when nothing else writes.
+JOURNAL_RETRY_INTERVAL = 5.0
 
 
 def _health_and_ledger(
@@ -220,6 +226,24 @@ class Machine:
             await self._journal(
                 functools.partial(self.journal.record_process_ended, reservation_id, pid)
             )
+
+    def journal_problem(self) -> str | None:
+        """Why the journal cannot write (its last write failed), or None."""
+        problem = self.journal.write_problem
+        return None if problem is None else f"journal {self.journal.path}: {problem}"
+
+    async def watch_journal(self, *, interval: float = JOURNAL_RETRY_INTERVAL) -> None:
+        """Until cancelled: while the journal's last write failed, retry every `interval`."""
+        while True:
+            await trio.sleep(interval)
+            if self.journal.write_problem is None:
+                continue
+            try:
+                await self._journal(self.journal.recover)
+            except (OSError, JournalError, trio.TooSlowError) as exc:
+                log.debug("journal %s still cannot write: %s", self.journal.path, exc)
+            else:
+                log.info("journal %s writes again", self.journal.path)
 
     def snapshot(
         self, *, sequence: int | None = None, readiness_reasons: tuple[str, ...] = ()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = ["Readiness"]
 
 
@@ -9,13 +11,15 @@ class Readiness:
     """Start-up steps still pending plus standing reasons that block readiness.
 
     A step is pending until `done(step)`; a reason (for example a failed NVML
-    initialisation) stays until `clear(key)`. Ready means neither is left.
+    initialisation) stays until `clear(key)`; a check (for example "can the
+    journal write?") is asked on every read. Ready means none of them is left.
     """
 
     def __init__(self, steps: tuple[str, ...]) -> None:
         self._pending = dict.fromkeys(steps, "not done yet")
         self._reasons: dict[str, str] = {}
         self._notes: dict[str, str] = {}
+        self._checks: dict[str, Callable[[], str | None]] = {}
 
     def done(self, step: str) -> None:
         self._pending.pop(step, None)
@@ -26,6 +30,10 @@ class Readiness:
     def clear(self, key: str) -> None:
         self._reasons.pop(key, None)
 
+    def check(self, key: str, reason: Callable[[], str | None]) -> None:
+        """Block while `reason()` returns a reason (it must be cheap: no I/O)."""
+        self._checks[key] = reason
+
     def note(self, key: str, text: str) -> None:
         """Worth knowing, not blocking (no NVML on a CPU-only node in `auto` mode)."""
         self._notes[key] = text
@@ -35,7 +43,9 @@ class Readiness:
 
     @property
     def ready(self) -> bool:
-        return not self._pending and not self._reasons
+        return not self.reasons()
 
     def reasons(self) -> dict[str, str]:
-        return {**self._pending, **self._reasons}
+        checked = {key: reason() for key, reason in self._checks.items()}
+        live = {key: reason for key, reason in checked.items() if reason is not None}
+        return {**self._pending, **self._reasons, **live}

@@ -4,6 +4,7 @@ reported healthier than it is."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import shutil
@@ -110,6 +111,55 @@ def test_faults_sigkill_journal_holds_every_acknowledged_grant_then_restart_rele
         assert stop(proc, signal.SIGTERM) == 0
     reservations, pids = _journal_copy(state, tmp_path / "copy2")
     assert reservations == set() and pids == set()
+
+
+# --- a full disk: refused with Retry-After, not ready, nothing left half-written ----------
+
+
+class _FullDisk:
+    """os.write for the journal's descriptor: half the bytes land, then ENOSPC."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fd: int) -> None:
+        self.fd, self.full, self._real = fd, True, os.write
+        monkeypatch.setattr(os, "write", self.write)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        if fd != self.fd or not self.full:
+            return self._real(fd, data)
+        self._real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+async def test_faults_full_disk_refuses_with_retry_after_and_is_not_ready_until_it_writes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running_node(tmp_path) as node:
+        op = bearer(node.scheduler)
+        assert (await node.client.get("/readyz")).status_code == 200
+        machine = node.daemon.machine
+        assert machine is not None
+        disk = _FullDisk(monkeypatch, machine.journal._fd)
+        for attempt in range(3):
+            refused = await node.client.post(
+                "/v1/invocations", json=sleep_request(f"full-{attempt}"), headers=op
+            )
+            assert refused.status_code == 503, refused.text
+            assert error_code(refused) == "journal_unavailable"
+            assert refused.headers["Retry-After"] == "5"
+        ready = await node.client.get("/readyz")
+        assert ready.status_code == 503
+        assert "No space left" in ready.json()["error"]["details"]["reasons"]["journal"]
+        disk.full = False  # space returns: the next write succeeds and clears the reason
+        accepted = await node.client.post(
+            "/v1/invocations", json=sleep_request("after", seconds=0.01), headers=op
+        )
+        assert accepted.status_code == 202, accepted.text
+        assert (await node.client.get("/readyz")).status_code == 200
+        await wait_for_state(node, "after")
+    # Nothing half-written is left between the records: a restart replays all of them.
+    journal, replay = Journal.open(tmp_path / "state", durable=False)
+    journal.close()
+    assert replay.problem is None and replay.reservations == {}
 
 
 # --- lane owner crashes --------------------------------------------------------------------

@@ -236,12 +236,29 @@ def _prepare(state: pathlib.Path, case: str) -> pathlib.Path:
         journal_path.rename(real)
         journal_path.symlink_to(real)
         return journal_path
+    if case == "journal_flipped_byte":
+        journal, _ = Journal.open(state, durable=False)
+        for rid in ("one", "two"):
+            journal.record_release(rid)  # any two whole records
+        journal.close()
+        data = bytearray(journal_path.read_bytes())
+        data[9] ^= 0x40  # inside the first record's payload
+        journal_path.write_bytes(bytes(data))
+        return journal_path
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize(
     "case",
-    ["auth_0644", "auth_symlink", "key_0640", "key_symlink", "journal_0644", "journal_symlink"],
+    [
+        "auth_0644",
+        "auth_symlink",
+        "key_0640",
+        "key_symlink",
+        "journal_0644",
+        "journal_symlink",
+        "journal_flipped_byte",
+    ],
 )
 def _serve(state: pathlib.Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -258,7 +275,15 @@ def _serve(state: pathlib.Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["auth_0644", "auth_symlink", "key_0640", "key_symlink", "journal_0644", "journal_symlink"],
+    [
+        "auth_0644",
+        "auth_symlink",
+        "key_0640",
+        "key_symlink",
+        "journal_0644",
+        "journal_symlink",
+        "journal_flipped_byte",
+    ],
 )
 def test_files_daemon_refuses_to_start_naming_the_file(tmp_path: pathlib.Path, case: str) -> None:
     state = tmp_path / "state"
@@ -278,5 +303,7 @@ def test_files_daemon_refuses_to_start_naming_the_file(tmp_path: pathlib.Path, c
     assert "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if "cannot start" in line]
     assert len(lines) == 1 and str(bad) in lines[0], done.stderr
+    if case == "journal_flipped_byte":
+        assert "corrupt at byte 0" in lines[0], lines[0]
     # The bad file (and whatever a symlink points at) was not rewritten or re-moded.
     assert fingerprint() == before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import signal
 import subprocess
@@ -12,7 +14,14 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import trio
 
-from node.machine.journal import JOURNAL_FILENAME, Journal, JournalUnsafe, UnsafeReason
+from node.machine.journal import (
+    JOURNAL_FILENAME,
+    Journal,
+    JournalCorrupt,
+    JournalError,
+    JournalUnsafe,
+    UnsafeReason,
+)
 from node.machine.lanes import Isolation, LaneKind, Requirement
 from node.machine.ledger import LaneGrant, Reservation
 from node.machine.reconcile import reconcile
@@ -72,34 +81,92 @@ def test_torn_tail_is_recovered(tmp_path: Path) -> None:
         assert set(replay.reservations) == {"a", "c"} and replay.problem is None
 
 
-def test_corrupt_crc_is_recovered(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def _three_records(tmp_path: Path) -> tuple[Path, bytes, int]:
     journal, _ = Journal.open(tmp_path)
     for rid in "abc":
         journal.record_reserve(reservation(rid))
     journal.close()
     path = tmp_path / JOURNAL_FILENAME
-    data = bytearray(path.read_bytes())
-    frame = len(data) // 3
-    data[frame + 12] ^= 0xFF  # a payload byte of the second record
-    path.write_bytes(bytes(data))
-    _, replay = Journal.open(tmp_path)
-    assert set(replay.reservations) == {"a"}
-    assert replay.problem == "bad_crc" and replay.dropped_bytes == 2 * frame
-    assert "bad_crc" in caplog.text
+    data = path.read_bytes()
+    return path, data, len(data) // 3
 
 
-def test_garbage_length_and_undecodable(tmp_path: Path) -> None:
+def _refused(tmp_path: Path, path: Path, offset: int, problem: str) -> None:
+    """Opening refuses, naming the file and the offset, and leaves every byte as it was."""
+    before = path.read_bytes()
+    with pytest.raises(JournalCorrupt) as info:
+        Journal.open(tmp_path)
+    assert (info.value.offset, info.value.problem) == (offset, problem)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and f"byte {offset}" in message
+    assert path.read_bytes() == before
+    assert not list(tmp_path.glob("*.torn"))
+
+
+def test_a_flipped_byte_mid_file_refuses_and_keeps_the_file(tmp_path: Path) -> None:
+    path, data, frame = _three_records(tmp_path)
+    flipped = bytearray(data)
+    flipped[frame + 12] ^= 0xFF  # a payload byte of the second record
+    path.write_bytes(bytes(flipped))
+    _refused(tmp_path, path, frame, "bad_crc")
+
+
+def test_a_flipped_byte_in_the_last_complete_record_refuses(tmp_path: Path) -> None:
+    # It ends exactly at the end of the file: a crash cannot write a whole frame wrong.
+    path, data, frame = _three_records(tmp_path)
+    flipped = bytearray(data)
+    flipped[2 * frame + 12] ^= 0x01
+    path.write_bytes(bytes(flipped))
+    _refused(tmp_path, path, 2 * frame, "bad_crc")
+
+
+@pytest.mark.parametrize("length", [2, 0x0001_0000, 0xFFFF_FFFF])
+def test_a_corrupted_first_length_refuses(tmp_path: Path, length: int) -> None:
+    # Shorter: the CRC fails. Longer but within the bound: it runs past the end of the
+    # file like a torn write, but whole records follow it. Huge: over the bound.
+    path, data, _ = _three_records(tmp_path)
+    path.write_bytes(length.to_bytes(4, "big") + data[4:])
+    problem = {2: "bad_crc", 0x0001_0000: "bad_length", 0xFFFF_FFFF: "bad_length"}[length]
+    _refused(tmp_path, path, 0, problem)
+
+
+def test_garbage_length_and_undecodable_refuse(tmp_path: Path) -> None:
     path = tmp_path / JOURNAL_FILENAME
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
     os.write(fd, b"\xff\xff\xff\xff\x00\x00\x00\x00junk")
     os.close(fd)
-    _, replay = Journal.open(tmp_path)
-    assert replay.problem == "bad_length" and replay.reservations == {}
+    _refused(tmp_path, path, 0, "bad_length")
     payload = b"\x81\xa1x\x01"  # valid msgpack, not a record
     frame = len(payload).to_bytes(4, "big") + zlib.crc32(payload).to_bytes(4, "big") + payload
     path.write_bytes(frame)
+    _refused(tmp_path, path, 0, "undecodable_record")
+
+
+def test_a_torn_tail_is_copied_aside_before_truncation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path, data, frame = _three_records(tmp_path)
+    path.write_bytes(data[: 2 * frame + 12])
     _, replay = Journal.open(tmp_path)
-    assert replay.problem == "undecodable_record"
+    assert set(replay.reservations) == {"a", "b"} and replay.problem == "torn_record"
+    assert path.read_bytes() == data[: 2 * frame]
+    aside = tmp_path / (JOURNAL_FILENAME + ".torn")
+    assert aside.read_bytes() == data[2 * frame : 2 * frame + 12]
+    assert aside.stat().st_mode & 0o777 == 0o600
+    assert str(aside) in caplog.text and f"byte {2 * frame}" in caplog.text
+
+
+def test_an_empty_journal_starts_fresh_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / JOURNAL_FILENAME
+    path.write_bytes(b"")
+    path.chmod(0o600)
+    caplog.set_level(logging.INFO, logger="node.machine.journal")
+    journal, replay = Journal.open(tmp_path)
+    journal.close()
+    assert replay.records == 0 and replay.problem is None
+    assert f"journal {path} is empty" in caplog.text
 
 
 def test_refuses_symlink_and_open_permissions(tmp_path: Path) -> None:
@@ -282,3 +349,93 @@ async def test_reconcile_gone_process_releases(tmp_path: Path) -> None:
     assert set(report.released) == {"inv-4", "inv-5"}
     assert journal.reservations() == {}
     journal.close()
+
+
+class FullDisk:
+    """os.write for one descriptor: the next `fail` writes land half their bytes, then
+    the disk is full (ENOSPC), as a real short write followed by a failing one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fd: int) -> None:
+        self.fd = fd
+        self.fail = 0
+        self._real = os.write
+        monkeypatch.setattr(os, "write", self.write)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        if fd != self.fd or not self.fail:
+            return self._real(fd, data)
+        self.fail -= 1
+        half = len(data) // 2
+        if half:
+            self._real(fd, bytes(data[:half]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_failed_write_is_truncated_away_and_later_records_survive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal, _ = Journal.open(tmp_path)
+    journal.record_reserve(reservation("a"))
+    good = (tmp_path / JOURNAL_FILENAME).stat().st_size
+    disk = FullDisk(monkeypatch, journal._fd)
+    disk.fail = 1
+    with pytest.raises(OSError) as info:
+        journal.record_reserve(reservation("lost"))
+    assert info.value.errno == errno.ENOSPC
+    assert (tmp_path / JOURNAL_FILENAME).stat().st_size == good  # no partial record left
+    assert "lost" not in journal.reservations()
+    assert journal.write_problem is not None and "No space left" in journal.write_problem
+    # Space returns: the records after the failure are readable after a restart.
+    journal.record_reserve(reservation("b"))
+    journal.record_process_started("b", 4242, 1.0)
+    assert journal.write_problem is None
+    journal.close()
+    _, replay = Journal.open(tmp_path)
+    assert set(replay.reservations) == {"a", "b"} and set(replay.processes) == {4242}
+    assert replay.problem is None
+
+
+def test_a_tail_that_cannot_be_truncated_blocks_appends_until_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal, _ = Journal.open(tmp_path)
+    journal.record_reserve(reservation("a"))
+    disk = FullDisk(monkeypatch, journal._fd)
+    real_truncate = os.ftruncate
+    broken = [True]
+
+    def ftruncate(fd: int, length: int) -> None:
+        if broken[0]:
+            raise OSError(errno.EIO, "I/O error")
+        real_truncate(fd, length)
+
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    disk.fail = 1
+    with pytest.raises(OSError):
+        journal.record_reserve(reservation("lost"))
+    # A record must never follow a partial one: refused while the tail is there.
+    with pytest.raises(JournalError, match="partial record"):
+        journal.record_reserve(reservation("refused"))
+    assert journal.write_problem is not None
+    broken[0] = False
+    journal.record_reserve(reservation("b"))
+    journal.close()
+    _, replay = Journal.open(tmp_path)
+    assert set(replay.reservations) == {"a", "b"} and replay.problem is None
+
+
+def test_recover_rewrites_the_journal_and_clears_the_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal, _ = Journal.open(tmp_path)
+    journal.record_reserve(reservation("a"))
+    disk = FullDisk(monkeypatch, journal._fd)
+    disk.fail = 1
+    with pytest.raises(OSError):
+        journal.record_release("a")
+    assert journal.write_problem is not None
+    journal.recover()
+    assert journal.write_problem is None
+    journal.close()
+    _, replay = Journal.open(tmp_path)
+    assert set(replay.reservations) == {"a"}

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from node.machine import Machine
@@ -14,6 +19,8 @@ from node.machine.health import HealthState, HealthTransition
 from node.machine.journal import Journal, JournalUnsafe
 from node.machine.lanes import Isolation, Requirement
 from node.machine.ledger import RefusalReason, Reservation, ReservationRefused, ReservationRequest
+from node.machine.model import JOURNAL_RETRY_INTERVAL
+from node.machine.readiness import Readiness
 
 GiB = 1 << 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sim-workstation.toml"
@@ -165,3 +172,59 @@ async def test_aclose_leaves_a_stuck_write_its_descriptor(
     replayed, replay = Journal.open(tmp_path)
     replayed.close()
     assert replay.reservations == {}
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Checkpoint until `condition()` (a worker thread may be finishing), bounded in real time."""
+    end = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < end, "condition never held"
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_full_disk_is_a_readiness_reason_until_the_retry_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mock_clock: trio.testing.MockClock
+) -> None:
+    machine = await open_machine(tmp_path)
+    fd, real_write, full = machine.journal._fd, os.write, [False]
+
+    def write(target: int, data: bytes | memoryview) -> int:
+        if target != fd or not full[0]:
+            return real_write(target, data)
+        real_write(target, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", write)
+    readiness = Readiness(())
+    readiness.check("journal", machine.journal_problem)
+    assert readiness.ready
+    await machine.reserve(ReservationRequest(reservation_id="held", cpu_millis=100))
+    full[0] = True
+    with pytest.raises(OSError):
+        await machine.reserve(ReservationRequest(reservation_id="x", cpu_millis=100))
+    assert set(machine.ledger.reservations()) == {"held"}  # the refused grant was given back
+    reason = readiness.reasons()["journal"]
+    assert str(machine.journal.path) in reason and "No space left" in reason
+    retries = [0]
+    real_recover = machine.journal.recover
+
+    def recover() -> None:
+        retries[0] += 1
+        real_recover()
+
+    monkeypatch.setattr(machine.journal, "recover", recover)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(machine.watch_journal)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(JOURNAL_RETRY_INTERVAL)
+        await _until(lambda: retries[0] == 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not readiness.ready  # still full: still not ready
+        full[0] = False
+        mock_clock.jump(JOURNAL_RETRY_INTERVAL)
+        await _until(lambda: readiness.ready)
+        nursery.cancel_scope.cancel()
+    await machine.aclose()
+    journal, replay = Journal.open(tmp_path)
+    journal.close()
+    assert set(replay.reservations) == {"held"} and replay.problem is None
