@@ -4,6 +4,8 @@ Time is `trio.current_time()` relative to when the source was created, so a
 timeline runs deterministically under `trio.testing.MockClock`. Faults apply
 in order of `at`. XIDs are events (delivered once, by the next probe); lost,
 over-temperature and read errors are conditions that hold until `recovered`.
+`reset` is a GPU reset: the conditions clear, the volatile ECC count returns
+to 0, and the next probe reports the reset (which is what clears a fatal XID).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class FaultKind(enum.StrEnum):
     READ_ERROR = "read_error"
     LOST = "lost"
     RECOVERED = "recovered"
+    RESET = "reset"
 
 
 class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -163,6 +166,7 @@ class _GpuState:
         self.over_temperature = False
         self.ecc = 0
         self.xids: list[int] = []
+        self.reset = False
 
 
 class SimDeviceSource:
@@ -197,9 +201,17 @@ class SimDeviceSource:
             case FaultKind.LOST:
                 state.lost = True
             case FaultKind.RECOVERED:
-                state.lost = state.read_error = state.over_temperature = False
-                state.temperature = state.base_temperature
-                state.xids.clear()
+                self._clear(state)
+            case FaultKind.RESET:
+                self._clear(state)
+                state.ecc = 0
+                state.reset = True
+
+    @staticmethod
+    def _clear(state: _GpuState) -> None:
+        state.lost = state.read_error = state.over_temperature = False
+        state.temperature = state.base_temperature
+        state.xids.clear()
 
     def _probe_one(self, uuid: str) -> Probe:
         state = self._gpus[uuid]
@@ -210,6 +222,7 @@ class SimDeviceSource:
         if state.read_error:
             return Probe(device_id=uuid, status=ProbeStatus.FAILED, error="simulated read error")
         xids, state.xids = tuple(state.xids), []
+        reset, state.reset = state.reset, False
         return Probe(
             device_id=uuid,
             status=ProbeStatus.OK,
@@ -220,6 +233,7 @@ class SimDeviceSource:
             retired_pages_pending=False,
             remapped_rows_pending=False,
             over_temperature=state.over_temperature,
+            reset=reset,
         )
 
     async def probe(self) -> list[Probe]:

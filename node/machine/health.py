@@ -7,6 +7,14 @@ probes (hysteresis), so a flapping reading does not flap the lane. A lost
 device ignores everything but `REDISCOVERED`, which brings it to unknown, from
 where it must earn its way back with good probes. A failed reading is
 `unknown`, never `healthy`. Every change of state emits a `HealthTransition`.
+
+A fatal XID is different: good probes never heal it (NVIDIA's own device
+plugin keeps such a GPU unhealthy too). It holds until a reset is observed:
+a probe that says so (the simulator's `reset` event), the volatile
+uncorrected ECC count going down (the driver clears it when the GPU is
+reset), or a lost device found again. The reset moves the device to
+unknown, and good probes then bring it back as usual. Restarting the daemon
+also forgets it, since a new tracker starts from fresh readings.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ class Signal(enum.StrEnum):
     OVER_TEMPERATURE = "over_temperature"
     LOST = "lost"
     REDISCOVERED = "rediscovered"
+    RESET = "reset"
 
 
 class Rule(NamedTuple):
@@ -90,6 +99,7 @@ def _table() -> dict[tuple[HealthState, Signal], Rule]:
             Signal.READ_FAILED: Rule(k),
             Signal.APP_XID: Rule(s),
             Signal.REDISCOVERED: Rule(h),
+            Signal.RESET: Rule(h),
             **faults,
         },
         s: {
@@ -97,6 +107,7 @@ def _table() -> dict[tuple[HealthState, Signal], Rule]:
             Signal.READ_FAILED: Rule(k),
             Signal.APP_XID: Rule(s),
             Signal.REDISCOVERED: Rule(s),
+            Signal.RESET: Rule(s),
             **faults,
         },
         # A failed reading keeps an unhealthy device unhealthy: it says nothing good.
@@ -105,6 +116,8 @@ def _table() -> dict[tuple[HealthState, Signal], Rule]:
             Signal.READ_FAILED: Rule(u),
             Signal.APP_XID: Rule(u),
             Signal.REDISCOVERED: Rule(u),
+            # What the reset left is read afresh: unknown until good probes say more.
+            Signal.RESET: Rule(k),
             **faults,
         },
         k: {
@@ -112,6 +125,7 @@ def _table() -> dict[tuple[HealthState, Signal], Rule]:
             Signal.READ_FAILED: Rule(k),
             Signal.APP_XID: Rule(k),
             Signal.REDISCOVERED: Rule(k),
+            Signal.RESET: Rule(k),
             **faults,
         },
         # Only a rediscovery brings a lost device back, and then only to unknown.
@@ -128,6 +142,8 @@ class DeviceHealth(msgspec.Struct, frozen=True, kw_only=True):
     reasons: tuple[str, ...] = ()
     good_streak: int = 0
     since: float = 0.0
+    # A fatal XID was seen: good probes do not heal the device, only a reset does.
+    needs_reset: bool = False
 
 
 class HealthTransition(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,8 +162,9 @@ def step(
 ) -> DeviceHealth:
     """The pure transition function: look the move up in TRANSITIONS and apply hysteresis."""
     rule = TRANSITIONS[(current.state, signal)]
+    needs_reset = _needs_reset(current, signal)
     if signal is Signal.GOOD:
-        if rule.target is current.state:
+        if rule.target is current.state or needs_reset:
             return current
         streak = current.good_streak + 1
         if rule.gated and streak < max(1, recovery_probes):
@@ -155,27 +172,51 @@ def step(
         return DeviceHealth(state=rule.target, reasons=(), good_streak=0, since=at)
     if rule.target is current.state:
         reasons = current.reasons
-        if reason and reason not in reasons:
+        if reason and reason not in reasons and signal is not Signal.RESET:
             reasons = (*reasons, reason)[-MAX_REASONS:]
-        return msgspec.structs.replace(current, reasons=reasons, good_streak=0)
-    return DeviceHealth(state=rule.target, reasons=(reason,) if reason else (), since=at)
+        return msgspec.structs.replace(
+            current, reasons=reasons, good_streak=0, needs_reset=needs_reset
+        )
+    return DeviceHealth(
+        state=rule.target,
+        reasons=(reason,) if reason else (),
+        since=at,
+        needs_reset=needs_reset,
+    )
+
+
+def _needs_reset(current: DeviceHealth, signal: Signal) -> bool:
+    if signal is Signal.FATAL_XID:
+        return True
+    # A device that fell off the bus and is readable again has been reset.
+    if signal is Signal.RESET or (
+        signal is Signal.REDISCOVERED and current.state is HealthState.LOST
+    ):
+        return False
+    return current.needs_reset
 
 
 def classify(
     probe: Probe, *, fatal_xids: frozenset[int], previous_ecc: int | None
 ) -> list[tuple[Signal, str]]:
-    """Turn one probe into signals with reasons; a clean reading is one GOOD signal."""
+    """Turn one probe into signals with reasons; a clean reading is one GOOD signal.
+
+    A reset comes first: the rest of the same reading describes the device after it.
+    """
     if probe.status is ProbeStatus.LOST:
         return [(Signal.LOST, f"device_lost: {probe.error or 'device is gone'}")]
     if probe.status is ProbeStatus.FAILED:
         return [(Signal.READ_FAILED, f"read_failed: {probe.error or 'reading failed'}")]
+    ecc = probe.ecc_volatile_uncorrected
+    reset: list[tuple[Signal, str]] = []
+    if probe.reset or (ecc is not None and previous_ecc is not None and ecc < previous_ecc):
+        reset.append((Signal.RESET, "reset: the device was reset"))
     signals: list[tuple[Signal, str]] = []
     for xid in probe.xids:
         if xid in fatal_xids:
             signals.append((Signal.FATAL_XID, f"xid_{xid}: critical device error"))
         else:
             signals.append((Signal.APP_XID, f"xid_{xid}: application error"))
-    ecc = probe.ecc_volatile_uncorrected
     if ecc is not None and previous_ecc is not None and ecc > previous_ecc:
         signals.append((Signal.ECC, f"ecc_uncorrected: {ecc - previous_ecc} new volatile errors"))
     if probe.retired_pages_pending:
@@ -184,7 +225,7 @@ def classify(
         signals.append((Signal.ECC, "remapped_rows_pending: reset needed"))
     if probe.over_temperature:
         signals.append((Signal.OVER_TEMPERATURE, f"over_temperature: {probe.temperature_c} C"))
-    return signals or [(Signal.GOOD, "")]
+    return reset + (signals or [(Signal.GOOD, "")])
 
 
 class HealthTracker:

@@ -95,6 +95,10 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     remapped_rows_pending: bool | None = None
     # Set by a backend that knows its own threshold (the simulator, NVML slowdown temp).
     over_temperature: bool = False
+    # The backend saw the device reset since the previous probe (the simulator's
+    # `reset` event). NVML has no such reading; health infers a reset from the
+    # volatile ECC count going down or from a lost device coming back.
+    reset: bool = False
 
 
 class DeviceSource(Protocol):

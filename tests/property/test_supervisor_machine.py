@@ -244,6 +244,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         async def apply() -> None:
             health = self.rig.machine.health
             health.apply(device, Signal.REDISCOVERED, at=trio.current_time())
+            health.apply(device, Signal.RESET, at=trio.current_time())
             for _ in range(health.recovery_probes):
                 health.apply(device, Signal.GOOD, at=trio.current_time())
             await trio.lowlevel.checkpoint()

@@ -72,7 +72,7 @@ def test_fatal_set_is_configurable() -> None:
 def test_recovery_needs_consecutive_good_probes() -> None:
     events: list[HealthTransition] = []
     t = tracker(events, probes=3)
-    t.observe(ok(xids=(79,)), at=0)
+    t.observe(ok(over_temperature=True, temperature_c=97.0), at=0)
     t.observe(ok(), at=1)
     t.observe(ok(), at=2)
     # A flapping reading resets the streak without changing the state.
@@ -143,3 +143,76 @@ def test_reasons_are_bounded() -> None:
 def test_recovery_probes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="recovery_probes"):
         HealthTracker(recovery_probes=0)
+
+
+@pytest.mark.parametrize("xid", sorted(DEFAULT_FATAL_XIDS))
+def test_a_fatal_xid_stays_unhealthy_through_good_probes_until_a_reset(xid: int) -> None:
+    events: list[HealthTransition] = []
+    t = tracker(events, probes=3)
+    t.observe(ok(xids=(xid,)), at=0)
+    for i in range(10):
+        t.observe(ok(), at=1 + i)
+    assert t.state(GPU) is HealthState.UNHEALTHY
+    assert t.health(GPU).reasons == (f"xid_{xid}: critical device error",)
+    # The reset reading is itself good: the first of the probes recovery needs.
+    t.observe(ok(reset=True), at=20)
+    assert t.state(GPU) is HealthState.UNKNOWN
+    assert t.health(GPU).reasons == ("reset: the device was reset",)
+    t.observe(ok(), at=21)
+    assert t.state(GPU) is HealthState.UNKNOWN
+    t.observe(ok(), at=22)
+    assert t.state(GPU) is HealthState.HEALTHY
+    assert [(e.to_state, e.signal) for e in events] == [
+        (HealthState.UNHEALTHY, Signal.FATAL_XID),
+        (HealthState.UNKNOWN, Signal.RESET),
+        (HealthState.HEALTHY, Signal.GOOD),
+    ]
+
+
+def test_a_fatal_xid_outlasts_other_faults_clearing() -> None:
+    t = tracker([], probes=1)
+    t.observe(ok(xids=(79,), over_temperature=True, temperature_c=97.0), at=0)
+    t.observe(Probe(device_id=GPU, status=ProbeStatus.FAILED, error="x"), at=1)
+    for i in range(5):
+        t.observe(ok(), at=2 + i)
+    assert t.state(GPU) is HealthState.UNHEALTHY
+    # An application XID after a fatal one does not make the device any better.
+    t.observe(ok(xids=(13,)), at=8)
+    assert t.state(GPU) is HealthState.UNHEALTHY
+
+
+def test_a_volatile_ecc_count_going_down_is_a_reset() -> None:
+    # NVML clears the volatile ECC counters when the GPU is reset.
+    t = tracker([], probes=1)
+    t.observe(ok(ecc_volatile_uncorrected=4), at=0)
+    t.observe(ok(ecc_volatile_uncorrected=4, xids=(48,)), at=1)
+    t.observe(ok(ecc_volatile_uncorrected=4), at=2)
+    assert t.state(GPU) is HealthState.UNHEALTHY
+    t.observe(ok(ecc_volatile_uncorrected=0), at=3)
+    assert t.state(GPU) is HealthState.HEALTHY
+
+
+def test_a_lost_device_found_again_has_been_reset() -> None:
+    t = tracker([], probes=1)
+    t.observe(ok(xids=(79,)), at=0)
+    t.observe(Probe(device_id=GPU, status=ProbeStatus.LOST, error="off the bus"), at=1)
+    t.rediscovered(GPU, at=2)
+    assert t.state(GPU) is HealthState.UNKNOWN
+    t.observe(ok(), at=3)
+    assert t.state(GPU) is HealthState.HEALTHY
+
+
+def test_a_reset_does_not_hide_a_condition_that_still_holds() -> None:
+    t = tracker([], probes=1)
+    t.observe(ok(xids=(79,)), at=0)
+    t.observe(ok(reset=True, remapped_rows_pending=True), at=1)
+    assert t.state(GPU) is HealthState.UNHEALTHY
+    t.observe(ok(), at=2)
+    assert t.state(GPU) is HealthState.HEALTHY
+
+
+def test_a_reset_of_a_healthy_device_changes_nothing() -> None:
+    events: list[HealthTransition] = []
+    t = tracker(events)
+    t.observe(ok(reset=True), at=0)
+    assert t.state(GPU) is HealthState.HEALTHY and events == []

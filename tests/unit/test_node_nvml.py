@@ -141,6 +141,7 @@ async def test_gpu_lost_mid_run_and_xids() -> None:
     fake.push_xid("GPU-aaaa", 13)  # application: suspect at most
     await probe_once(source, tracker)
     assert tracker.state("GPU-aaaa") is HealthState.SUSPECT
+    fake.gpus[1].ecc_uncorrected = 3
     fake.push_xid("GPU-bbbb", 79)  # fallen off the bus: fatal
     await probe_once(source, tracker)
     assert tracker.state("GPU-bbbb") is HealthState.UNHEALTHY
@@ -156,6 +157,13 @@ async def test_gpu_lost_mid_run_and_xids() -> None:
     await probe_once(source, tracker)
     await probe_once(source, tracker)
     assert tracker.state("GPU-aaaa") is HealthState.HEALTHY
+    # Good readings do not heal a fatal XID; a reset (NVML clears the volatile
+    # ECC counters) does, followed by the good probes.
+    assert tracker.state("GPU-bbbb") is HealthState.UNHEALTHY
+    fake.gpus[1].ecc_uncorrected = 0
+    await probe_once(source, tracker)
+    assert tracker.state("GPU-bbbb") is HealthState.UNKNOWN
+    await probe_once(source, tracker)
     assert tracker.state("GPU-bbbb") is HealthState.HEALTHY
     await source.aclose()
 

@@ -37,7 +37,7 @@ async def test_builtin_workstation() -> None:
 def test_example_file_loads() -> None:
     spec = load_sim_spec(EXAMPLE)
     assert len(spec.faults) >= 5
-    assert {f.kind.value for f in spec.faults} >= {"xid", "lost", "recovered"}
+    assert {f.kind.value for f in spec.faults} >= {"xid", "lost", "recovered", "reset"}
 
 
 def test_bad_sim_files(tmp_path: Path) -> None:
@@ -84,9 +84,13 @@ async def test_timeline_drives_health_with_hysteresis(
     assert seen[31][G1] is HealthState.SUSPECT  # xid 13: application, not fatal
     await probe_at(61)
     assert seen[61][G1] is HealthState.UNHEALTHY  # xid 48
-    await probe_at(91)  # recovered at 90: first good probe, still unhealthy
+    for t in range(62, 90):  # good readings do not heal a fatal XID
+        await probe_at(t)
+    assert seen[89][G1] is HealthState.UNHEALTHY
+    await probe_at(91)  # reset at 90: unknown, and the first good probe
+    assert seen[91][G1] is HealthState.UNKNOWN
     await probe_at(95)
-    assert seen[95][G1] is HealthState.UNHEALTHY
+    assert seen[95][G1] is HealthState.UNKNOWN
     await probe_at(100)
     assert seen[100][G1] is HealthState.HEALTHY
     await probe_at(121)
@@ -107,6 +111,7 @@ async def test_timeline_drives_health_with_hysteresis(
     assert [(e.device_id, e.to_state) for e in events] == [
         (G1, HealthState.SUSPECT),
         (G1, HealthState.UNHEALTHY),
+        (G1, HealthState.UNKNOWN),
         (G1, HealthState.HEALTHY),
         (G2, HealthState.UNHEALTHY),
         (G2, HealthState.LOST),

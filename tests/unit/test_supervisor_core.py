@@ -47,6 +47,7 @@ def gpu_sleep(invocation_id: str, **kw: object) -> InvocationRequest:
 
 
 def recover(rig: Rig, device: str) -> None:
+    rig.machine.health.apply(device, Signal.RESET, at=trio.current_time())
     for _ in range(rig.machine.health.recovery_probes):
         rig.machine.health.apply(device, Signal.GOOD, at=trio.current_time())
     assert rig.machine.health.state(device) is HealthState.HEALTHY

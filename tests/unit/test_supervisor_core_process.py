@@ -144,6 +144,7 @@ async def test_a_device_fault_kills_the_gpu_tree(rig: Rig) -> None:
         assert await rig.wait_terminal("pg") is S.cancelled
         assert rig.sup.get("pg").reason == "lane_unhealthy"
         assert session_members(sid) == []
+        rig.machine.health.apply(SIM_GPU, Signal.RESET, at=trio.current_time())
         for _ in range(rig.machine.health.recovery_probes):
             rig.machine.health.apply(SIM_GPU, Signal.GOOD, at=trio.current_time())
         rig.assert_released("pg", response.tokens)
