@@ -1,16 +1,28 @@
-"""Serving the app with Hypercorn inside the daemon's nursery."""
+"""Serving the app with Hypercorn inside the daemon's nursery.
+
+Hypercorn's `serve` is not used: it builds each connection with its own
+`TCPServer`, which speaks cleartext HTTP/2 and lets a connection's error end
+the server. This loop is Hypercorn's trio worker for plain-TCP binds, with
+`api.connection.Connection` for every connection.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
 import hypercorn.config
-import hypercorn.trio
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState, LifespanState
+from hypercorn.utils import repr_socket_addr
 from quart_trio import QuartTrio
 
 from api.asgi_close import ShieldFinalSend
+from api.connection import Connection
 from api.settings import HttpSettings
 
 __all__ = ["hypercorn_config", "serve_http"]
@@ -40,9 +52,40 @@ async def serve_http(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until `shutdown` is set; `task_status` gets the bound addresses."""
-    await hypercorn.trio.serve(
-        ShieldFinalSend(app),  # type: ignore[arg-type]
-        hypercorn_config(http),
-        shutdown_trigger=shutdown.wait,
-        task_status=task_status,
-    )
+    config = hypercorn_config(http)
+    asgi = ASGIWrapper(ShieldFinalSend(app))  # type: ignore[arg-type]
+    state: LifespanState = {}
+    lifespan = Lifespan(asgi, config, state)
+    context = WorkerContext(None)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as connections:
+            sockets = config.create_sockets().insecure_sockets
+            listeners = []
+            for sock in sockets:
+                sock.listen(config.backlog)
+                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+            task_status.started(
+                [f"http://{repr_socket_addr(s.family, s.getsockname())}" for s in sockets]
+            )
+            shared = ConnectionState(state.copy())
+            handler = functools.partial(Connection, asgi, config, context, shared)
+            try:
+                async with trio.open_nursery() as accepting:
+                    accepting.start_soon(
+                        functools.partial(
+                            trio.serve_listeners, handler, listeners, handler_nursery=connections
+                        )
+                    )
+                    await shutdown.wait()
+                    accepting.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    for listener in listeners:
+                        await listener.aclose()
+                # Idle connections close now; busy ones get the graceful timeout.
+                await context.terminated.set()
+                connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
