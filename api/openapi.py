@@ -200,8 +200,11 @@ def openapi_document() -> dict[str, Any]:
         "post": {
             "operationId": "refresh_token",
             "security": _TOKEN,
-            "description": "Trade a valid token of a live invocation for a fresh one.",
-            "responses": _responses(200, json_of["token"], (400, 401, 403, 409, 503)),
+            "description": (
+                "Trade a valid token of a live invocation for a fresh one, once the token "
+                "has used half its life (429 refresh_too_early with Retry-After before)."
+            ),
+            "responses": _responses(200, json_of["token"], (400, 401, 403, 409, 429, 503)),
         },
     }
     for action in ("drain", "resume"):

@@ -13,7 +13,7 @@ from api.context import NodeContext
 from api.errors import ApiError
 from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_supervisor, require_role
 from api.responses import json_response
-from capabilities import TokenRefusal, TokenRefused
+from capabilities import RefreshTooEarly, TokenRefusal, TokenRefused
 from node.machine.snapshot import rfc3339
 from supervisor.lane_owner import LaneWorkError
 from supervisor.lane_work import LaneWorkRequest, TokenReply
@@ -79,7 +79,17 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
         token = _bearer()
         sup = ready_supervisor(ctx)
         with _lane_errors(ctx):
-            minted = sup.refresh_token(lane_id, token)
+            try:
+                minted = sup.refresh_token(lane_id, token)
+            except RefreshTooEarly as early:
+                # Refresh at most once per half life: it must not be a way to make work.
+                raise ApiError(
+                    429,
+                    "refresh_too_early",
+                    str(early),
+                    {"retry_after": early.retry_after},
+                    headers={"Retry-After": str(early.retry_after)},
+                ) from None
         return json_response(
             TokenReply(lane_id=lane_id, token=minted.token, expires_at=rfc3339(minted.claims.exp))
         )

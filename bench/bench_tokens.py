@@ -61,7 +61,7 @@ def run() -> list[Finding]:
 
 def _run(state_dir: pathlib.Path) -> list[Finding]:
     keyring = KeyRing.open(state_dir)
-    service = TokenService("bench-node", keyring, ttl=3600, deny_list_size=1_000_000)
+    service = TokenService("bench-node", keyring, ttl=3600, max_live_tokens=1_000_000)
     deadline = time.time() + 3000
     tokens = [
         service.mint(
@@ -114,7 +114,7 @@ def _run(state_dir: pathlib.Path) -> list[Finding]:
     )
 
     sign_message = paseto.pae(header, paseto.parse(one).payload, paseto.parse(one).footer, implicit)
-    minter = TokenService("bench-node", keyring, ttl=3600, deny_list_size=10_000_000)
+    minter = TokenService("bench-node", keyring, ttl=3600, max_live_tokens=10_000_000)
     minted = itertools.count()
     mint = _side_by_side(
         {

@@ -13,13 +13,14 @@ from capabilities.errors import (
     KeyFileProblem,
     KeyRingError,
     MintError,
+    RefreshTooEarly,
     RevocationFull,
     TokenRefusal,
     TokenRefused,
 )
 from capabilities.keyring import KeyRing
 from capabilities.paseto import MAX_TOKEN_CHARS
-from capabilities.revocation import DenyList
+from capabilities.revocation import LiveTokens
 from capabilities.service import (
     DEADLINE_MARGIN,
     DEFAULT_LEEWAY,
@@ -37,7 +38,6 @@ __all__ = [
     "MAX_TTL_SECONDS",
     "CapabilityError",
     "Claims",
-    "DenyList",
     "Footer",
     "Isolation",
     "KeyFileError",
@@ -46,8 +46,10 @@ __all__ = [
     "KeyRingError",
     "LaneOp",
     "LaneValidator",
+    "LiveTokens",
     "MintError",
     "MintedToken",
+    "RefreshTooEarly",
     "RevocationFull",
     "TokenRefusal",
     "TokenRefused",

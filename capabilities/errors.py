@@ -13,9 +13,11 @@ Exception tree::
     │                               (retire the signing key, unknown kid)
     ├── MintError                   a mint request that cannot be honoured
     │                               (bad ids, deadline already past)
-    └── RevocationFull              the deny list (or the per-invocation
-                                    tracker behind it) is full: refused, never
-                                    silently accepted
+    ├── RefreshTooEarly             a refresh before the token used half its
+    │                               life; `.retry_after` says when (seconds)
+    └── RevocationFull              no room to track one more live token (a
+                                    token that could not be revoked is never
+                                    handed out)
 
 `TokenRefusal` values are wire-visible (snake_case) and listed in the order
 the validator checks them: a token that is wrong in several ways is refused
@@ -33,6 +35,7 @@ __all__ = [
     "KeyFileProblem",
     "KeyRingError",
     "MintError",
+    "RefreshTooEarly",
     "RevocationFull",
     "TokenRefusal",
     "TokenRefused",
@@ -98,9 +101,17 @@ class MintError(CapabilityError):
     """A token cannot be minted for the request as given."""
 
 
+class RefreshTooEarly(CapabilityError):
+    """A token is refreshed only once it has used half its life; retry after `retry_after` s."""
+
+    def __init__(self, retry_after: int) -> None:
+        self.retry_after = retry_after
+        super().__init__(f"the token has more than half its life left; refresh in {retry_after} s")
+
+
 class RevocationFull(CapabilityError):
-    """The deny list (or the tracker that feeds it) is at its bound."""
+    """The table of live (revocable) tokens is at its bound."""
 
     def __init__(self, capacity: int, message: str = "") -> None:
         self.capacity = capacity
-        super().__init__(message or f"revocation deny list is full ({capacity} entries)")
+        super().__init__(message or f"no room to track a new token ({capacity} live tokens)")

@@ -1,173 +1,129 @@
-"""Bounded revocation state: the deny list and the per-invocation token tracker.
+"""Bounded revocation state: the one current token of each invocation on each lane.
 
-`DenyList` holds revoked `jti`s until their token could no longer pass the
-time check anyway (`exp` plus leeway); past its bound it raises
-`RevocationFull` rather than forget anything.
+Revocation works by allow-list. A token passes the revocation check only while
+it is the current token of its (invocation, lane):
 
-`InvocationTracker` remembers which live `jti`s each invocation holds so that
-ending an invocation revokes every token it was given. It forgets a token
-once that token has expired (plus leeway), never earlier.
+- minting for a pair supersedes its earlier token, so a refresh replaces an
+  entry and grows nothing, however often it is done;
+- ending an invocation forgets its entries, whatever number of tokens it was
+  given: revoking leaves no state behind;
+- a token the table does not know (superseded, ended, minted before a
+  restart) is refused.
 
-Both are plain data structures on an injected clock: no I/O, no threads.
+An entry is also forgotten once its token has expired past leeway (the time
+check refuses it anyway). At most `capacity` entries: a new pair past the
+bound raises `RevocationFull`, so no token is handed out that could not be
+revoked. Plain data on an injected clock: no I/O, no threads.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Container, Iterable
+import math
+from collections.abc import Callable, Container
+from typing import NamedTuple
 
 from capabilities.errors import RevocationFull
 
-__all__ = ["DenyList", "InvocationTracker"]
+__all__ = ["LiveTokens"]
 
 Clock = Callable[[], float]
 
 
-class DenyList:
-    """Revoked token ids, each kept until `exp + leeway`, at most `capacity` of them."""
+class _Entry(NamedTuple):
+    invocation_id: str
+    lane_id: str
+    forget_at: float
+
+
+class LiveTokens:
+    """The current token id per (invocation, lane), at most `capacity` of them."""
 
     def __init__(self, capacity: int, *, leeway: float, clock: Clock) -> None:
         if capacity < 1:
-            raise ValueError("deny list capacity must be at least 1")
+            raise ValueError("live token capacity must be at least 1")
         self._capacity = capacity
         self._leeway = leeway
         self._clock = clock
-        self._evict_at: dict[str, float] = {}
-        self._heap: list[tuple[float, str]] = []
+        self._by_jti: dict[str, _Entry] = {}
+        self._by_invocation: dict[str, dict[str, str]] = {}
+        # No entry expires before this, so a purge before it would find nothing.
+        self._next_expiry = math.inf
 
     @property
     def capacity(self) -> int:
         return self._capacity
 
     def __len__(self) -> int:
-        return len(self._evict_at)
+        return len(self._by_jti)
 
     def __contains__(self, jti: object) -> bool:
-        return jti in self._evict_at
+        return jti in self._by_jti
 
-    def live_view(self) -> Container[str]:
+    def view(self) -> Container[str]:
         """A read-only live view for `in` tests on the hot path (no method call per test)."""
-        return self._evict_at.keys()
-
-    def purge(self) -> int:
-        """Forget entries whose token has expired past leeway; returns how many."""
-        now = self._clock()
-        dropped = 0
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            evict_at, jti = heapq.heappop(heap)
-            if self._evict_at.get(jti) == evict_at:
-                del self._evict_at[jti]
-                dropped += 1
-        return dropped
-
-    def revoke(self, jti: str, exp: float) -> None:
-        """Deny `jti` until `exp + leeway`; RevocationFull when there is no room."""
-        self.revoke_many([(jti, exp)])
-
-    def revoke_many(self, entries: Iterable[tuple[str, float]]) -> int:
-        """Deny every (jti, exp) or none of them; returns how many were new."""
-        wanted: dict[str, float] = {}
-        for jti, exp in entries:
-            evict_at = exp + self._leeway
-            wanted[jti] = max(evict_at, wanted.get(jti, evict_at))
-        if not wanted:
-            return 0
-        self.purge()
-        now = self._clock()
-        fresh = {
-            jti: at for jti, at in wanted.items() if at > now and self._evict_at.get(jti, -1.0) < at
-        }
-        new = sum(1 for jti in fresh if jti not in self._evict_at)
-        if len(self._evict_at) + new > self._capacity:
-            raise RevocationFull(self._capacity)
-        for jti, at in fresh.items():
-            self._evict_at[jti] = at
-            heapq.heappush(self._heap, (at, jti))
-        self._compact()
-        return new
-
-    def _compact(self) -> None:
-        # Superseded heap entries (a jti re-revoked with a later exp) are
-        # skipped by purge; rebuild when they would let the heap outgrow its bound.
-        if len(self._heap) > 2 * self._capacity:
-            self._heap = [(at, jti) for jti, at in self._evict_at.items()]
-            heapq.heapify(self._heap)
-
-
-class InvocationTracker:
-    """Live token ids per invocation, at most `capacity` in all."""
-
-    def __init__(self, capacity: int, *, leeway: float, clock: Clock) -> None:
-        if capacity < 1:
-            raise ValueError("tracker capacity must be at least 1")
-        self._capacity = capacity
-        self._leeway = leeway
-        self._clock = clock
-        self._by_invocation: dict[str, dict[str, float]] = {}
-        self._heap: list[tuple[float, str, str]] = []
-        self._count = 0
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def __len__(self) -> int:
-        return self._count
+        return self._by_jti.keys()
 
     def invocations(self) -> int:
         """How many invocations hold at least one live token."""
         return len(self._by_invocation)
 
+    def current(self, invocation_id: str, lane_id: str) -> str | None:
+        """The jti of the pair's current token, if it has one."""
+        return self._by_invocation.get(invocation_id, {}).get(lane_id)
+
+    def full(self) -> bool:
+        """True when no new (invocation, lane) pair fits, even after a purge."""
+        if len(self._by_jti) >= self._capacity:
+            self.purge()
+        return len(self._by_jti) >= self._capacity
+
     def purge(self) -> int:
         """Forget tokens that have expired past leeway; returns how many."""
         now = self._clock()
-        dropped = 0
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _, invocation_id, jti = heapq.heappop(heap)
-            held = self._by_invocation.get(invocation_id)
-            if held is not None and held.pop(jti, None) is not None:
-                dropped += 1
-                if not held:
-                    del self._by_invocation[invocation_id]
-        self._count -= dropped
-        return dropped
+        if now < self._next_expiry:
+            return 0
+        expired = [jti for jti, entry in self._by_jti.items() if entry.forget_at <= now]
+        for jti in expired:
+            self.revoke(jti)
+        self._next_expiry = min((e.forget_at for e in self._by_jti.values()), default=math.inf)
+        return len(expired)
 
-    def add(self, invocation_id: str, jti: str, exp: float) -> None:
-        """Remember a freshly minted token; RevocationFull when there is no room."""
-        if self._count >= self._capacity:
-            self.purge()
-            if self._count >= self._capacity:
-                raise RevocationFull(self._capacity, "too many live tokens to track")
-        held = self._by_invocation.setdefault(invocation_id, {})
-        if jti in held:
-            raise ValueError("jti already tracked")
-        held[jti] = exp
-        self._count += 1
-        heapq.heappush(self._heap, (exp + self._leeway, invocation_id, jti))
-        if len(self._heap) > 2 * self._capacity:
-            self._heap = [
-                (at + self._leeway, inv, j)
-                for inv, tokens in self._by_invocation.items()
-                for j, at in tokens.items()
-            ]
-            heapq.heapify(self._heap)
+    def make_room(self, invocation_id: str, lane_id: str) -> None:
+        """RevocationFull unless a token for this pair could be admitted now."""
+        if self.current(invocation_id, lane_id) is None and self.full():
+            raise RevocationFull(self._capacity)
 
-    def discard(self, invocation_id: str, jti: str) -> bool:
-        """Stop tracking one token (it was revoked on its own)."""
-        held = self._by_invocation.get(invocation_id)
-        if held is None or held.pop(jti, None) is None:
+    def admit(self, invocation_id: str, lane_id: str, jti: str, exp: float) -> str | None:
+        """Make `jti` the pair's current token; returns the jti it superseded.
+
+        RevocationFull when the pair is new and there is no room.
+        """
+        if jti in self._by_jti:
+            raise ValueError("jti already live")
+        self.make_room(invocation_id, lane_id)
+        old = self.current(invocation_id, lane_id)
+        if old is not None:
+            del self._by_jti[old]
+        self._by_invocation.setdefault(invocation_id, {})[lane_id] = jti
+        forget_at = exp + self._leeway
+        self._by_jti[jti] = _Entry(invocation_id, lane_id, forget_at)
+        self._next_expiry = min(self._next_expiry, forget_at)
+        return old
+
+    def revoke(self, jti: str) -> bool:
+        """Forget one token; False when it was not current."""
+        entry = self._by_jti.pop(jti, None)
+        if entry is None:
             return False
-        self._count -= 1
-        if not held:
-            del self._by_invocation[invocation_id]
+        lanes = self._by_invocation[entry.invocation_id]
+        del lanes[entry.lane_id]
+        if not lanes:
+            del self._by_invocation[entry.invocation_id]
         return True
 
-    def pop_invocation(self, invocation_id: str) -> list[tuple[str, float]]:
-        """Hand over and forget every live (jti, exp) of one invocation."""
-        held = self._by_invocation.pop(invocation_id, None)
-        if held is None:
-            return []
-        self._count -= len(held)
-        return list(held.items())
+    def revoke_invocation(self, invocation_id: str) -> int:
+        """Forget every token of one invocation; returns how many were live."""
+        lanes = self._by_invocation.pop(invocation_id, {})
+        for jti in lanes.values():
+            del self._by_jti[jti]
+        return len(lanes)

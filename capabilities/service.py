@@ -2,15 +2,21 @@
 
 One `TokenService` per node. It signs with the key ring's active key, binds
 every token to the node id through the PASETO implicit assertion, and keeps
-the bounded revocation state: which live tokens each invocation holds, and
-the deny list they move to when the invocation ends.
+the bounded revocation state (`LiveTokens`): the one current token of each
+invocation on each lane. Minting for a pair supersedes its earlier token;
+ending an invocation forgets all of its tokens.
 
 Lifetimes: `exp` is the earliest of now + `ttl` (at most one hour) and the
 invocation's deadline plus `DEADLINE_MARGIN`, in whole seconds.
 
-Bounds: every live token holds a reserved slot on the deny list, so ending an
-invocation can always revoke all its tokens; when no slot is free, `mint`
-raises `RevocationFull` instead of handing out a token it could not revoke.
+Refresh trades the current token for a fresh one with the same scope, but
+only once the token has used half its life (`RefreshTooEarly` before that),
+so a token holder cannot turn refreshes into work for the node, and a
+refresh replaces state instead of adding any.
+
+Bounds: at most `max_live_tokens` (invocation, lane) pairs; when no room is
+left, `mint` raises `RevocationFull` instead of handing out a token it could
+not revoke.
 """
 
 from __future__ import annotations
@@ -35,9 +41,9 @@ from capabilities.claims import (
     implicit_assertion,
     to_unix,
 )
-from capabilities.errors import MintError, RevocationFull
+from capabilities.errors import MintError, RefreshTooEarly, TokenRefusal, TokenRefused
 from capabilities.keyring import KeyRing
-from capabilities.revocation import DenyList, InvocationTracker
+from capabilities.revocation import LiveTokens
 from capabilities.validator import LaneValidator
 
 __all__ = ["DEADLINE_MARGIN", "DEFAULT_LEEWAY", "MAX_LEEWAY", "MintedToken", "TokenService"]
@@ -67,7 +73,7 @@ class TokenService:
         *,
         ttl: float,
         clock: Callable[[], float] = time.time,
-        deny_list_size: int = 65536,
+        max_live_tokens: int = 65536,
         leeway: float = DEFAULT_LEEWAY,
     ) -> None:
         if not math.isfinite(ttl) or ttl < 1:
@@ -82,8 +88,7 @@ class TokenService:
         self._clock = clock
         self._leeway = float(leeway)
         self._implicit = implicit_assertion(node_id)
-        self._deny = DenyList(deny_list_size, leeway=self._leeway, clock=clock)
-        self._tracker = InvocationTracker(deny_list_size, leeway=self._leeway, clock=clock)
+        self._live = LiveTokens(max_live_tokens, leeway=self._leeway, clock=clock)
 
     @property
     def node_id(self) -> str:
@@ -103,14 +108,24 @@ class TokenService:
         return self._leeway
 
     @property
-    def deny_list(self) -> DenyList:
-        return self._deny
+    def live(self) -> LiveTokens:
+        """The revocation state: every token that is current and not past exp + leeway."""
+        return self._live
 
     @property
     def live_tokens(self) -> int:
-        """Tokens minted, not revoked and not yet past exp + leeway."""
-        self._tracker.purge()
-        return len(self._tracker)
+        """Tokens minted, not superseded or revoked, and not yet past exp + leeway."""
+        self._live.purge()
+        return len(self._live)
+
+    def full_reason(self) -> str | None:
+        """Why no new invocation can get a token now, or None (a readiness check)."""
+        if not self._live.full():
+            return None
+        return (
+            f"token_table_full: {self._live.capacity} live tokens; "
+            "new invocations get 503 token_unavailable until some end"
+        )
 
     def implicit_assertion(self) -> bytes:
         """The implicit assertion every token of this node is signed with."""
@@ -126,7 +141,10 @@ class TokenService:
         isolation: Isolation,
         deadline: float | None,
     ) -> MintedToken:
-        """A token for one invocation on one lane; MintError or RevocationFull when refused."""
+        """A token for one invocation on one lane; MintError or RevocationFull when refused.
+
+        The new token supersedes the pair's earlier one, if any.
+        """
         now = self._clock()
         try:
             granted = frozenset(LaneOp(op) for op in ops)
@@ -160,44 +178,55 @@ class TokenService:
             decode_claims(payload)  # Meta constraints are enforced on decode only
         except msgspec.ValidationError as exc:
             raise MintError(f"invalid claims: {exc}") from None
-        self._reserve_slot()
+        self._live.make_room(invocation_id, lane_id)  # before paying for a signature
         kid, secret = self._keyring.signing_key()
         token = paseto.sign(
             secret, payload, footer=encode(Footer(kid=kid)), implicit=self._implicit
         )
-        self._tracker.add(invocation_id, claims.jti, to_unix(claims.exp))
+        self._live.admit(invocation_id, lane_id, claims.jti, to_unix(claims.exp))
         return MintedToken(token=token, claims=claims)
 
-    def _reserve_slot(self) -> None:
-        if len(self._tracker) + len(self._deny) >= self._deny.capacity:
-            self._tracker.purge()
-            self._deny.purge()
-            if len(self._tracker) + len(self._deny) >= self._deny.capacity:
-                raise RevocationFull(
-                    self._deny.capacity,
-                    "no revocation slot left for a new token "
-                    f"({self._deny.capacity} live or revoked tokens)",
-                )
+    def refresh(self, claims: Claims, *, deadline: float | None) -> MintedToken:
+        """A fresh token with the scope of `claims`, which it supersedes.
 
-    def revoke(self, claims: Claims) -> None:
-        """Revoke one token; RevocationFull if it was not ours and there is no room."""
-        self._tracker.discard(claims.sub, claims.jti)
-        self._deny.revoke(claims.jti, to_unix(claims.exp))
+        `claims` must be a validated token's and still current (else
+        TokenRefused `revoked`). Before the token has used half its life this
+        raises RefreshTooEarly, saying when to come back.
+        """
+        if claims.jti not in self._live:
+            raise TokenRefused(TokenRefusal.REVOKED, "not the current token")
+        iat, exp = to_unix(claims.iat), to_unix(claims.exp)
+        halfway = iat + (exp - iat) / 2
+        now = self._clock()
+        if now < halfway:
+            raise RefreshTooEarly(max(1, math.ceil(halfway - now)))
+        return self.mint(
+            invocation_id=claims.sub,
+            lane_id=claims.aud,
+            ops=claims.ops,
+            vram_bytes=claims.vram_bytes,
+            isolation=claims.isolation,
+            deadline=deadline,
+        )
+
+    def revoke(self, claims: Claims) -> bool:
+        """Revoke one token; False when it was not current anyway."""
+        return self._live.revoke(claims.jti)
 
     def revoke_invocation(self, invocation_id: str) -> int:
-        """Revoke every live token of an invocation (call it when the invocation ends).
+        """Revoke every token of an invocation (call it when the invocation ends).
 
-        Returns how many tokens were newly denied. Never runs out of room:
-        every live token reserved its deny-list slot when it was minted.
+        Returns how many were live. Leaves no state behind, so it never runs
+        out of room.
         """
-        return self._deny.revoke_many(self._tracker.pop_invocation(invocation_id))
+        return self._live.revoke_invocation(invocation_id)
 
     def validator(self, cache_size: int = 4096) -> LaneValidator:
-        """A lane-owner validator sharing this service's keys, clock and deny list."""
+        """A lane-owner validator sharing this service's keys, clock and live tokens."""
         return LaneValidator(
             node_id=self._node_id,
             keyring=self._keyring,
-            deny_list=self._deny,
+            live=self._live,
             clock=self._clock,
             leeway=self._leeway,
             cache_size=cache_size,

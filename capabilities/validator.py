@@ -10,7 +10,8 @@
 5. wrong_issuer                          (`iss` is not this node)
 6. not_yet_valid, expired                (injected clock, bounded leeway)
 7. wrong_audience                        (`aud` is not this lane)
-8. revoked                               (`jti` on the deny list)
+8. revoked                               (`jti` not the current token of
+                                          its invocation on this lane)
 9. op_not_granted, vram_over_budget      (scope)
 
 Steps 1-5 depend only on the token bytes and the key ring, so their outcome
@@ -43,7 +44,7 @@ from capabilities.claims import (
 )
 from capabilities.errors import TokenRefusal, TokenRefused
 from capabilities.keyring import KeyRing
-from capabilities.revocation import DenyList
+from capabilities.revocation import LiveTokens
 
 __all__ = ["LaneValidator"]
 
@@ -66,7 +67,7 @@ class LaneValidator:
         *,
         node_id: str,
         keyring: KeyRing,
-        deny_list: DenyList,
+        live: LiveTokens,
         clock: Callable[[], float],
         leeway: float,
         cache_size: int = 4096,
@@ -77,7 +78,7 @@ class LaneValidator:
         self._node_id = node_id
         self._implicit = implicit_assertion(node_id)
         self._keyring = keyring
-        self._revoked = deny_list.live_view()
+        self._current = live.view()
         self._clock = clock
         self._leeway = leeway
         self._cache_size = cache_size
@@ -181,7 +182,7 @@ class LaneValidator:
         claims = entry.claims
         if claims.aud != lane_id:
             raise TokenRefused(TokenRefusal.WRONG_AUDIENCE, "token is for another lane")
-        if claims.jti in self._revoked:
+        if claims.jti not in self._current:
             raise TokenRefused(TokenRefusal.REVOKED, "token was revoked")
         if op not in claims.ops:
             raise TokenRefused(TokenRefusal.OP_NOT_GRANTED, f"{op} not granted")

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 SHUTDOWN_MARGIN = 15.0
 EVENT_SUBSCRIBERS = 32
 EVENT_BUFFER = 256
+# Live (invocation, lane) tokens; admission holds far fewer (max-queued + max-running).
+LIVE_TOKENS = 65536
 
 
 class StartupError(Exception):
@@ -202,7 +204,10 @@ class Daemon:
                 self.readiness.note("devices", reason)
         snapshots = SnapshotCache(lambda changes: machine.snapshot(sequence=changes))
         events: EventHub[NodeEvent] = EventHub(EVENT_SUBSCRIBERS, EVENT_BUFFER)
-        tokens = TokenService(machine.node_id, keyring, ttl=config.token_ttl)
+        tokens = TokenService(
+            machine.node_id, keyring, ttl=config.token_ttl, max_live_tokens=LIVE_TOKENS
+        )
+        self.readiness.check("tokens", tokens.full_reason)
         self.supervisor = supervisor = Supervisor(
             machine,
             tokens,

@@ -19,7 +19,7 @@ import trio
 
 from capabilities import Isolation as TokenIsolation
 from capabilities import LaneOp, LaneValidator, MintedToken, TokenService
-from capabilities.errors import CapabilityError
+from capabilities.errors import CapabilityError, MintError, RevocationFull
 from node.machine import Machine
 from node.machine.health import HealthState, HealthTransition
 from node.machine.journal import JournalError
@@ -371,11 +371,8 @@ class Supervisor:
                 log.error("journal of the end of %s (pid %d) failed: %s", inv.id, inv.pid, exc)
 
     def _revoke(self, inv: Invocation) -> None:
-        try:
-            self.tokens.revoke_invocation(inv.id)
-        except CapabilityError:
-            # The deny list is full: the tokens stay valid until they expire. Loud.
-            log.error("could not revoke the tokens of %s: deny list full", inv.id)
+        # Forgets the invocation's tokens: it frees room and can never fail for lack of it.
+        self.tokens.revoke_invocation(inv.id)
 
     def _retire(self, inv: Invocation) -> None:
         self._live.pop(inv.id, None)
@@ -411,7 +408,9 @@ class Supervisor:
         """A fresh token with the same scope for a live invocation; the old one is revoked.
 
         Tokens live at most `--token-ttl` (an hour at most); work that runs longer
-        trades its still-valid token for a new one, up to its own deadline.
+        trades its still-valid token for a new one, up to its own deadline, once
+        the token has used half its life (RefreshTooEarly before that). The new
+        token replaces the old one: refreshing adds no state.
         """
         claims = self.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)
         inv = self._live.get(claims.sub)
@@ -419,17 +418,9 @@ class Supervisor:
             # Ended, or this token was already traded in for a newer one.
             raise LaneWorkError(409, "token_not_current", "not the invocation's current token")
         try:
-            minted = self.tokens.mint(
-                invocation_id=inv.id,
-                lane_id=lane_id,
-                ops=claims.ops,
-                vram_bytes=claims.vram_bytes,
-                isolation=claims.isolation,
-                deadline=inv.wall_deadline,
-            )
-        except CapabilityError as exc:
+            minted = self.tokens.refresh(claims, deadline=inv.wall_deadline)
+        except (MintError, RevocationFull) as exc:
             raise LaneWorkError(503, "token_unavailable", str(exc)) from None
-        self.tokens.revoke(claims)
         inv.tokens[lane_id] = minted.token
         return minted
 

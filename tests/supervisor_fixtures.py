@@ -226,9 +226,12 @@ async def open_rig(
     executor: LaneExecutor | None = None,
     executor_for: Callable[[Machine], LaneExecutor] | None = None,
     machine_cls: type[Machine] = Machine,
+    tokens: TokenService | None = None,
     **sup_kw: Any,
 ) -> AsyncIterator[Rig]:
-    """A running supervisor over the sim workstation; shut down and closed on exit."""
+    """A running supervisor over the sim workstation; shut down and closed on exit.
+
+    `tokens` replaces the default token service (to give it a clock or a bound)."""
     state_dir = tmp_path / "state"
     box: list[Supervisor] = []
     transitions: list[HealthTransition] = []
@@ -240,8 +243,9 @@ async def open_rig(
 
     machine = await open_machine(state_dir, cls=machine_cls, on_transition=on_transition)
     try:
-        keyring = KeyRing.open(state_dir)
-        tokens = TokenService(NODE, keyring, ttl=900)
+        if tokens is None:
+            tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
+        keyring = tokens.keyring
         events = EventHub[NodeEvent](max_subscribers=8, buffer=256)
         sup = Supervisor(
             machine,

@@ -87,11 +87,6 @@ class Node:
         assert sup is not None
         return sup.tokens.live_tokens
 
-    def revoked_tokens(self) -> int:
-        sup = self.daemon.supervisor
-        assert sup is not None
-        return len(sup.tokens.deny_list)
-
     def lane_bytes(self) -> dict[str, int]:
         sup = self.daemon.supervisor
         assert sup is not None

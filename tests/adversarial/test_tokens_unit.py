@@ -1,7 +1,7 @@
 """Hostile capability tokens against the capabilities package itself (no HTTP).
 
 Every case is refused with its typed reason, and a refusal changes nothing: no
-live token appears or disappears, the deny list does not grow, and nothing that
+live token appears or disappears, no invocation gains or loses one, and nothing that
 failed authentication lands in the validator's cache.
 """
 
@@ -77,7 +77,7 @@ class Authority:
         return self.keyring.signing_key()[1]
 
     def counters(self) -> tuple[int, int]:
-        return self.service.live_tokens, len(self.service.deny_list)
+        return self.service.live_tokens, self.service.live.invocations()
 
     def refuse(
         self,
@@ -279,7 +279,7 @@ def test_token_bound_to_another_node_by_implicit_assertion_refused(
     other = LaneValidator(
         node_id="node-b",
         keyring=node.keyring,
-        deny_list=node.service.deny_list,
+        live=node.service.live,
         clock=node.clock,
         leeway=5.0,
     )
@@ -493,9 +493,9 @@ def test_token_wrong_lane_refused(node: Authority) -> None:
 def test_token_revoked_refused_even_when_cached(node: Authority) -> None:
     minted = node.mint()
     node.validator.validate(minted.token, lane_id=LANE, op=LaneOp.EXECUTE)
-    live, revoked = node.counters()
+    live, invocations = node.counters()
     assert node.service.revoke_invocation("inv-1") == 1
-    assert node.counters() == (live - 1, revoked + 1)
+    assert node.counters() == (live - 1, invocations - 1)
     node.refuse(minted.token, TokenRefusal.REVOKED)
 
 

@@ -7,7 +7,10 @@ from typing import Any
 
 import httpx
 import msgspec
+import pytest
+import trio
 
+import node.daemon
 from api.errors import ErrorEnvelope
 from node.machine.lanes import LaneKind
 from supervisor.lane_work import LaneWorkReply, TokenReply
@@ -162,7 +165,7 @@ async def test_drain_is_admin_only_and_blocks_admission_until_resume(
 
 async def test_a_live_invocation_trades_its_token_for_a_fresh_one(tmp_path: pathlib.Path) -> None:
     async with (
-        running_daemon(tmp_path) as node,
+        running_daemon(tmp_path, "--token-ttl", "2") as node,
         httpx.AsyncClient(base_url=node.url, timeout=5) as client,
     ):
         accepted = await submit(client, node, gpu_request("long"))
@@ -170,6 +173,7 @@ async def test_a_live_invocation_trades_its_token_for_a_fresh_one(tmp_path: path
         other = await submit(client, node, gpu_request("other", isolation="partitioned"))
         other_lane = next(iter(other["tokens"]))
         noop = {"op": "execute", "kernel": "noop"}
+        await trio.sleep(1)  # a token refreshes once half its life (here 2 s) is used
 
         fresh = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(old))
         assert fresh.status_code == 200, fresh.text
@@ -193,3 +197,45 @@ async def test_a_live_invocation_trades_its_token_for_a_fresh_one(tmp_path: path
         assert ended.status_code == 200
         after = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(new))
         assert (after.status_code, error_code(after)) == (401, "revoked")
+
+
+async def test_a_refresh_early_in_the_token_life_is_429_with_retry_after(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with (
+        running_daemon(tmp_path, "--token-ttl", "600") as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        accepted = await submit(client, node, gpu_request("early"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        early = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(token))
+        assert (early.status_code, error_code(early)) == (429, "refresh_too_early")
+        assert 290 <= int(early.headers["Retry-After"]) <= 300
+        # Refused, the token is still the current one and still works.
+        noop = {"op": "execute", "kernel": "noop"}
+        ok = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token))
+        assert ok.status_code == 200, ok.text
+
+
+async def test_readyz_says_when_the_token_table_is_full_until_work_ends(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node.daemon, "LIVE_TOKENS", 1)
+    async with (
+        running_daemon(tmp_path) as running,
+        httpx.AsyncClient(base_url=running.url, timeout=5) as client,
+    ):
+        assert (await client.get("/readyz")).status_code == 200
+        await submit(client, running, builtin_request("first", args={"seconds": 60}))
+        refused = await client.post(
+            "/v1/invocations", json=builtin_request("second"), headers=bearer(running.scheduler)
+        )
+        assert (refused.status_code, error_code(refused)) == (503, "token_unavailable")
+        full = await client.get("/readyz")
+        assert (full.status_code, error_code(full)) == (503, "not_ready")
+        reasons = msgspec.json.decode(full.content, type=ErrorEnvelope).error.details["reasons"]
+        assert reasons["tokens"].startswith("token_table_full")
+        ended = await client.delete("/v1/invocations/first", headers=bearer(running.scheduler))
+        assert ended.status_code == 200
+        assert (await client.get("/readyz")).status_code == 200
+        await submit(client, running, builtin_request("second"))

@@ -1,10 +1,13 @@
-"""Stateful property: minting, expiry and revocation against a simple model.
+"""Stateful property: minting, refresh, expiry and revocation against a simple model.
 
-A model keeps every minted token with its invocation, lane, expiry and
-whether it was revoked. After any sequence of mints, revocations and clock
-moves, both a caching and a non-caching validator give exactly the model's
-verdict, the deny list never outgrows its bound, and minting is refused
-(RevocationFull) exactly when every revocation slot is spoken for.
+A model keeps every minted token with its invocation, lane, lifetime and
+whether it was revoked (its invocation ended, or a newer token for the same
+invocation and lane superseded it). After any sequence of mints, refreshes,
+endings and clock moves, both a caching and a non-caching validator give
+exactly the model's verdict, a refresh is refused before half the token's
+life, the live table never outgrows its bound and holds exactly the model's
+live tokens, and minting is refused (RevocationFull) exactly when a new
+(invocation, lane) pair finds no room.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from hypothesis.stateful import (
 )
 
 from capabilities import (
+    Claims,
     Isolation,
     KeyRing,
     LaneOp,
+    RefreshTooEarly,
     RevocationFull,
     TokenRefusal,
     TokenRefused,
@@ -44,11 +49,25 @@ LANES = st.sampled_from(["lane-a", "lane-b"])
 @dataclasses.dataclass
 class Minted:
     token: str
-    invocation: str
-    lane: str
-    exp: float
-    jti: str
+    claims: Claims
     revoked: bool = False
+
+    @property
+    def invocation(self) -> str:
+        return self.claims.sub
+
+    @property
+    def lane(self) -> str:
+        return self.claims.aud
+
+    @property
+    def exp(self) -> float:
+        return self.claims.exp.timestamp()
+
+    @property
+    def halfway(self) -> float:
+        iat = self.claims.iat.timestamp()
+        return iat + (self.exp - iat) / 2
 
 
 class Clock:
@@ -64,7 +83,7 @@ class Revocation(RuleBasedStateMachine):
         super().__init__()
         self.clock = Clock()
         self.service = TokenService(
-            "node-a", keyring, ttl=TTL, clock=self.clock, deny_list_size=CAPACITY, leeway=LEEWAY
+            "node-a", keyring, ttl=TTL, clock=self.clock, max_live_tokens=CAPACITY, leeway=LEEWAY
         )
         self.validators = [self.service.validator(cache_size=3), self.service.validator(0)]
         self.minted: list[Minted] = []
@@ -72,12 +91,22 @@ class Revocation(RuleBasedStateMachine):
     def _alive(self, m: Minted) -> bool:
         return self.clock.now < m.exp + LEEWAY
 
-    def _slots_taken(self) -> int:
-        return sum(1 for m in self.minted if self._alive(m))
+    def _live(self) -> list[Minted]:
+        # The `bounded` invariant reads live_tokens, which forgets expired
+        # tokens, so before every rule the table holds exactly these.
+        return [m for m in self.minted if self._alive(m) and not m.revoked]
+
+    def _issued(self, token: str, claims: Claims) -> None:
+        for m in self._live():
+            if (m.invocation, m.lane) == (claims.sub, claims.aud):
+                m.revoked = True  # superseded
+        self.minted.append(Minted(token, claims))
 
     @rule(invocation=INVOCATIONS, lane=LANES)
     def mint(self, invocation: str, lane: str) -> None:
-        full = self._slots_taken() >= CAPACITY
+        live = self._live()
+        held = any((m.invocation, m.lane) == (invocation, lane) for m in live)
+        full = not held and len(live) >= CAPACITY
         try:
             minted = self.service.mint(
                 invocation_id=invocation,
@@ -91,11 +120,29 @@ class Revocation(RuleBasedStateMachine):
             assert full
             return
         assert not full
-        self.minted.append(
-            Minted(minted.token, invocation, lane, minted.claims.exp.timestamp(), minted.claims.jti)
-        )
+        self._issued(minted.token, minted.claims)
 
-    @rule(seconds=st.sampled_from([0.5, 1, 10, 30, 59, 60, 65, 120]))
+    @precondition(lambda self: bool(self.minted))
+    @rule(data=st.data())
+    def refresh(self, data: st.DataObject) -> None:
+        m = data.draw(st.sampled_from(self.minted))
+        try:
+            fresh = self.service.refresh(m.claims, deadline=None)
+        except TokenRefused as refused:
+            assert refused.reason is TokenRefusal.REVOKED
+            assert m.revoked or not self._alive(m)
+            return
+        except RefreshTooEarly as early:
+            assert not m.revoked and self._alive(m)
+            assert self.clock.now < m.halfway
+            assert early.retry_after >= 1
+            assert self.clock.now + early.retry_after >= m.halfway
+            return
+        assert not m.revoked and self._alive(m) and self.clock.now >= m.halfway
+        assert (fresh.claims.sub, fresh.claims.aud) == (m.invocation, m.lane)
+        self._issued(fresh.token, fresh.claims)
+
+    @rule(seconds=st.sampled_from([0.5, 1, 10, 29.5, 30, 59, 60, 65, 120]))
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
 
@@ -131,13 +178,13 @@ class Revocation(RuleBasedStateMachine):
                 assert refused.reason is expected
             else:
                 assert expected is None
-                assert claims.jti == m.jti
+                assert claims == m.claims
 
     @invariant()
     def bounded(self) -> None:
-        assert len(self.service.deny_list) <= CAPACITY
-        live = sum(1 for m in self.minted if self._alive(m) and not m.revoked)
-        assert self.service.live_tokens == live
+        assert len(self.service.live) <= CAPACITY
+        assert self.service.live_tokens == len(self._live())
+        assert self.service.live.invocations() == len({m.invocation for m in self._live()})
 
 
 @pytest.fixture(scope="module")

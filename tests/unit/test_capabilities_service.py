@@ -10,11 +10,12 @@ import pytest
 
 from capabilities import (
     DEADLINE_MARGIN,
-    Claims,
     Isolation,
     KeyRing,
     LaneOp,
+    MintedToken,
     MintError,
+    RefreshTooEarly,
     RevocationFull,
     TokenRefusal,
     TokenRefused,
@@ -45,6 +46,10 @@ def service(tmp_path: pathlib.Path, clock: FakeClock) -> TokenService:
 
 
 def _mint(service: TokenService, invocation: str = "inv-1", **overrides: object) -> str:
+    return _minted(service, invocation, **overrides).token
+
+
+def _minted(service: TokenService, invocation: str = "inv-1", **overrides: object) -> MintedToken:
     args: dict[str, object] = {
         "invocation_id": invocation,
         "lane_id": "lane-0",
@@ -54,7 +59,7 @@ def _mint(service: TokenService, invocation: str = "inv-1", **overrides: object)
         "deadline": None,
     }
     args.update(overrides)
-    return service.mint(**args).token  # type: ignore[arg-type]
+    return service.mint(**args)  # type: ignore[arg-type]
 
 
 def test_minted_claims_say_what_was_asked(service: TokenService, clock: FakeClock) -> None:
@@ -189,18 +194,29 @@ def test_bad_service_settings_are_refused(tmp_path: pathlib.Path, kwargs: dict[s
 
 def test_revoke_invocation_revokes_only_that_invocations_tokens(service: TokenService) -> None:
     validator = service.validator()
-    mine = [_mint(service, "inv-1") for _ in range(3)]
+    mine = [_mint(service, "inv-1", lane_id=f"lane-{i}") for i in range(3)]
     theirs = _mint(service, "inv-2")
     assert service.live_tokens == 4
     assert service.revoke_invocation("inv-1") == 3
     assert service.revoke_invocation("inv-1") == 0
-    for token in mine:
+    for i, token in enumerate(mine):
         with pytest.raises(TokenRefused) as refused:
-            validator.validate(token, lane_id="lane-0", op=LaneOp.EXECUTE)
+            validator.validate(token, lane_id=f"lane-{i}", op=LaneOp.EXECUTE)
         assert refused.value.reason is TokenRefusal.REVOKED
     validator.validate(theirs, lane_id="lane-0", op=LaneOp.EXECUTE)
+    # Revoking left nothing behind: only inv-2's one token is held.
+    assert (service.live_tokens, len(service.live), service.live.invocations()) == (1, 1, 1)
+
+
+def test_a_new_token_for_the_same_lane_supersedes_the_old_one(service: TokenService) -> None:
+    validator = service.validator()
+    first = _mint(service, "inv-1")
+    second = _mint(service, "inv-1")
+    with pytest.raises(TokenRefused) as refused:
+        validator.validate(first, lane_id="lane-0", op=LaneOp.EXECUTE)
+    assert refused.value.reason is TokenRefusal.REVOKED
+    validator.validate(second, lane_id="lane-0", op=LaneOp.EXECUTE)
     assert service.live_tokens == 1
-    assert len(service.deny_list) == 3
 
 
 def test_revoke_one_token(service: TokenService) -> None:
@@ -213,61 +229,80 @@ def test_revoke_one_token(service: TokenService) -> None:
         isolation=Isolation.SHARED,
         deadline=None,
     )
-    other = _mint(service, "inv-1")
-    service.revoke(minted.claims)
+    other = _mint(service, "inv-1", lane_id="lane-1")
+    assert service.revoke(minted.claims)
+    assert not service.revoke(minted.claims)
     with pytest.raises(TokenRefused) as refused:
         validator.validate(minted.token, lane_id="lane-0", op=LaneOp.EXECUTE)
     assert refused.value.reason is TokenRefusal.REVOKED
-    validator.validate(other, lane_id="lane-0", op=LaneOp.EXECUTE)
+    validator.validate(other, lane_id="lane-1", op=LaneOp.EXECUTE)
     assert service.revoke_invocation("inv-1") == 1
 
 
-def test_minting_stops_when_no_revocation_slot_is_left(
+def test_minting_stops_when_the_table_is_full_and_ending_work_frees_room_at_once(
     tmp_path: pathlib.Path, clock: FakeClock
 ) -> None:
-    service = TokenService("node-a", KeyRing.open(tmp_path), ttl=60, clock=clock, deny_list_size=3)
+    service = TokenService("node-a", KeyRing.open(tmp_path), ttl=60, clock=clock, max_live_tokens=3)
     for i in range(3):
         _mint(service, f"inv-{i}")
+    assert service.full_reason() is not None
     with pytest.raises(RevocationFull):
         _mint(service, "inv-9")
-    # Ending invocations keeps their slots until their tokens expire...
+    # A pair that holds a token can still get a new one: it replaces, not adds.
+    _mint(service, "inv-2")
+    # Ending an invocation frees its room at once, not when its tokens expire...
     assert service.revoke_invocation("inv-0") == 1
-    with pytest.raises(RevocationFull):
-        _mint(service, "inv-9")
-    # ...and expiry (plus leeway) frees them: old entries are evicted, not kept forever.
-    clock.now = T0 + 60 + service.leeway
     _mint(service, "inv-9")
-    assert len(service.deny_list) == 0
+    with pytest.raises(RevocationFull):
+        _mint(service, "inv-10")
+    # ...and an expired token (plus leeway) is forgotten: nothing is kept forever.
+    clock.now = T0 + 60 + service.leeway
+    assert service.full_reason() is None
+    _mint(service, "inv-10")
     assert service.live_tokens == 1
 
 
-def test_revoking_a_foreign_token_when_the_deny_list_is_full_is_refused(
-    tmp_path: pathlib.Path, clock: FakeClock
+def test_refresh_is_refused_until_half_the_token_life_is_used(
+    service: TokenService, clock: FakeClock
 ) -> None:
-    service = TokenService("node-a", KeyRing.open(tmp_path), ttl=60, clock=clock, deny_list_size=1)
-    _mint(service, "inv-0")
-    stranger = Claims(
-        iss="node-a",
-        sub="inv-x",
-        aud="lane-0",
-        iat=datetime.datetime.fromtimestamp(T0, tz=datetime.UTC),
-        nbf=datetime.datetime.fromtimestamp(T0, tz=datetime.UTC),
-        exp=datetime.datetime.fromtimestamp(T0 + 60, tz=datetime.UTC),
-        jti="f" * 32,
-        ops=frozenset({LaneOp.EXECUTE}),
-        vram_bytes=0,
-        isolation=Isolation.SHARED,
+    claims = _minted(service, vram_bytes=7).claims
+    for now, wait in ((T0, 300), (T0 + 0.5, 300), (T0 + 299.2, 1)):
+        clock.now = now
+        with pytest.raises(RefreshTooEarly) as early:
+            service.refresh(claims, deadline=None)
+        assert early.value.retry_after == wait
+    assert service.live_tokens == 1 and claims.jti in service.live
+    clock.now = T0 + 300
+    fresh = service.refresh(claims, deadline=None).claims
+    assert (fresh.sub, fresh.aud, fresh.ops, fresh.vram_bytes) == (
+        claims.sub,
+        claims.aud,
+        claims.ops,
+        claims.vram_bytes,
     )
-    service.revoke_invocation("inv-0")
-    with pytest.raises(RevocationFull):
-        service.revoke(stranger)
+    assert claims.jti not in service.live and fresh.jti in service.live
+    # The traded-in token cannot be refreshed again, whenever asked.
+    clock.now = T0 + 500
+    with pytest.raises(TokenRefused) as refused:
+        service.refresh(claims, deadline=None)
+    assert refused.value.reason is TokenRefusal.REVOKED
+
+
+def test_refreshes_grow_nothing_however_many(tmp_path: pathlib.Path, clock: FakeClock) -> None:
+    service = TokenService("node-a", KeyRing.open(tmp_path), ttl=60, clock=clock, max_live_tokens=2)
+    claims = _minted(service).claims
+    for _ in range(1000):
+        clock.now += 30
+        claims = service.refresh(claims, deadline=None).claims
+        assert (len(service.live), service.live.invocations()) == (1, 1)
+    _mint(service, "inv-2")  # the other slot is still free
 
 
 def test_tokens_of_a_rotated_key_still_verify(service: TokenService) -> None:
     validator = service.validator()
     before = _mint(service)
     new_kid = service.keyring.rotate()
-    after = _mint(service)
+    after = _mint(service, lane_id="lane-1")
     assert json.loads(paseto.parse(after).footer) == {"kid": new_kid}
-    for token in (before, after):
-        validator.validate(token, lane_id="lane-0", op=LaneOp.EXECUTE)
+    validator.validate(before, lane_id="lane-0", op=LaneOp.EXECUTE)
+    validator.validate(after, lane_id="lane-1", op=LaneOp.EXECUTE)

@@ -108,10 +108,15 @@ def test_a_fresh_token_is_authorised(service: TokenService, validator: LaneValid
     validator.validate(token, lane_id="lane-a", op=LaneOp.MEMORY_RESERVE)
 
 
-def test_a_hand_signed_token_with_good_claims_is_authorised(
+def test_a_hand_signed_token_is_authorised_only_while_it_is_current(
     service: TokenService, validator: LaneValidator
 ) -> None:
-    assert validator.validate(_sign(service, _claims()), lane_id="lane-a", op=LaneOp.EXECUTE)
+    """Signed with our key, good claims, but never issued: refused until it is the
+    current token of its invocation on its lane."""
+    token = _sign(service, _claims())
+    assert _reason(validator, token) is R.REVOKED
+    service.live.admit("inv-1", "lane-a", _claims()["jti"], T0 + 600)
+    assert validator.validate(token, lane_id="lane-a", op=LaneOp.EXECUTE)
 
 
 def test_format_refusals(service: TokenService, validator: LaneValidator) -> None:
