@@ -8,7 +8,7 @@ KeyboardInterrupt - the whole process group is ended: SIGTERM, up to
 `kill_grace` seconds for it to empty, then SIGKILL. That cleanup runs shielded
 and with its own deadline, and then whatever ended the run propagates.
 
-Memory: a per-invocation cgroup v2 with `memory.max` when the host allows it;
+Memory: a per-invocation cgroup (v1 or v2, `node.machine.cgroups`) when the host allows it;
 otherwise RLIMIT_AS, but only for CPU-only work (CUDA reserves huge virtual
 address ranges, so an address-space limit would break GPU work); otherwise
 the limit is not enforced by the kernel and a warning is logged.
@@ -23,13 +23,20 @@ import resource
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Literal
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
+from node.machine.cgroups import (
+    CGROUP_NAME_RE,
+    CgroupError,
+    CgroupLimits,
+    Cgroups,
+    InvocationCgroup,
+    system_cgroups,
+)
 from node.machine.procgroup import terminate_group
-from supervisor.cgroup import CGROUP_NAME_RE, CgroupV2
 from supervisor.output import OutputRing, pump
 
 __all__ = [
@@ -83,7 +90,10 @@ _DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 # in the pipes (longer only if something outside the group holds them).
 _DRAIN_SECONDS = 1.0
 
-SYSTEM_CGROUPS = CgroupV2()
+# run_process's default: this host's cgroups, detected on first use.
+SYSTEM_CGROUPS: Literal["system"] = "system"
+# Until CPU and pids limits are part of the spec: the whole machine, and the kernel's pid cap.
+_NO_PIDS_LIMIT = 4_194_304
 
 
 class InvalidProcessRequest(ValueError):
@@ -253,19 +263,24 @@ def _preexec(
     return setup
 
 
-def _memory_plan(spec: ProcessSpec, cgroups: CgroupV2 | None) -> tuple[Path | None, int | None]:
-    """(cgroup directory, RLIMIT_AS bytes) enforcing spec.memory_limit_bytes."""
+def _memory_plan(
+    spec: ProcessSpec, cgroups: Cgroups | None
+) -> tuple[InvocationCgroup | None, int | None]:
+    """(cgroup, RLIMIT_AS bytes) enforcing spec.memory_limit_bytes."""
     limit = spec.memory_limit_bytes
     if limit is None:
         return None, None
     if cgroups is not None:
-        path = cgroups.create(spec.cgroup_name, limit)
-        if path is not None:
-            return path, None
+        cpus = len(os.sched_getaffinity(0))
+        limits = CgroupLimits(memory_bytes=limit, cpu_millis=cpus * 1000, pids_max=_NO_PIDS_LIMIT)
+        try:
+            return cgroups.create(spec.cgroup_name, limits), None
+        except CgroupError as exc:
+            log.warning("no cgroup for %s: %s", spec.cgroup_name, exc)
     if spec.cpu_only:
         return None, limit
     log.warning(
-        "memory limit of %d bytes for %s not enforced: no usable cgroup v2 and "
+        "memory limit of %d bytes for %s not enforced: no usable cgroup and "
         "RLIMIT_AS would break GPU work",
         limit,
         spec.cgroup_name,
@@ -280,7 +295,7 @@ async def run_process(
     stderr: OutputRing,
     on_started: Callable[[int, float], None],
     kill_grace: float = 5.0,
-    cgroups: CgroupV2 | None = SYSTEM_CGROUPS,
+    cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
     parent_env: Mapping[str, str] | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
@@ -291,8 +306,11 @@ async def run_process(
     """
     validate_spec(spec)
     env = build_environment(spec, os.environ if parent_env is None else parent_env)
-    cgroup_dir, rlimit_as = _memory_plan(spec, cgroups)
-    join = cgroups.preexec_join(cgroup_dir) if cgroups and cgroup_dir else None
+    if isinstance(cgroups, str):  # SYSTEM_CGROUPS
+        found = system_cgroups()
+        cgroups = found if isinstance(found, Cgroups) else None
+    cgroup, rlimit_as = _memory_plan(spec, cgroups)
+    join = cgroup.preexec_join() if cgroup is not None else None
     try:
         proc = await trio.lowlevel.open_process(
             list(spec.argv),
@@ -305,9 +323,9 @@ async def run_process(
             preexec_fn=_preexec(spec.cpu_affinity, rlimit_as, join),
         )
     except BaseException:
-        if cgroups is not None and cgroup_dir is not None:
-            with trio.move_on_after(5, shield=True):
-                await cgroups.remove(cgroup_dir)
+        if cgroup is not None:
+            with trio.move_on_after(10, shield=True):
+                await cgroup.remove()
         raise
     assert proc.stdout is not None and proc.stderr is not None
     pgid = proc.pid  # start_new_session: the child leads its own group
@@ -320,10 +338,10 @@ async def run_process(
         if ended:
             return
         ended = True
-        with trio.move_on_after(kill_grace + 5, shield=True):
+        with trio.move_on_after(kill_grace + 15, shield=True):
             await terminate_group(pgid, kill_grace, leader=proc)
-            if cgroups is not None and cgroup_dir is not None:
-                await cgroups.remove(cgroup_dir)
+            if cgroup is not None:
+                await cgroup.remove()
 
     try:
         # Not reaped yet, so psutil can read it even if it already exited.

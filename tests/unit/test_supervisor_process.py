@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import trio
 
-from supervisor.cgroup import CgroupV2
+from node.machine.cgroups import Cgroups, system_cgroups
 from supervisor.output import OutputRing
 from supervisor.process import (
     InvalidProcessRequest,
@@ -30,6 +29,8 @@ from supervisor.process import (
     validate_env,
     validate_spec,
 )
+from tests.cgroup_fixtures import gone_within
+from tests.fakes.fake_cgroupfs import FakeCgroupV2
 
 GRACE = 0.5
 PY = sys.executable
@@ -54,7 +55,7 @@ class Run:
         self,
         spec: ProcessSpec,
         *,
-        cgroups: CgroupV2 | None = None,
+        cgroups: Cgroups | None = None,
         parent_env: Mapping[str, str] | None = None,
         on_started: Callable[[int, float], None] | None = None,
     ) -> int:
@@ -436,20 +437,17 @@ async def test_cpu_affinity_is_applied() -> None:
     assert run.stdout.text() == f"[{cpu}]\n"
 
 
-def _fake_cgroupfs(tmp_path: Path, subtree: str = "cpu memory") -> CgroupV2:
-    """A directory shaped like cgroupfs with the daemon in /daemon.service."""
-    root = tmp_path / "cgroup"
-    (root / "daemon.service").mkdir(parents=True)
-    (root / "daemon.service" / "cgroup.subtree_control").write_text(subtree + "\n")
-    self_cgroup = tmp_path / "self-cgroup"
-    self_cgroup.write_text("0::/daemon.service\n")
-    # A plain directory cannot take a process, and keeps the files we wrote.
-    return CgroupV2(root=root, self_cgroup=self_cgroup, join=False, remove_dir=shutil.rmtree)
+def _fake_cgroups(tmp_path: Path) -> tuple[Cgroups, Path]:
+    """cgroup v2 imitated by a directory, the daemon in /daemon.service."""
+    fake = FakeCgroupV2(tmp_path)
+    found = Cgroups.detect(fake.root, fake.self_cgroup, fs=fake.fs)
+    assert isinstance(found, Cgroups)
+    return found, fake.own
 
 
 async def test_memory_limit_goes_to_a_cgroup_when_one_can_be_made(tmp_path: Path) -> None:
-    cgroups = _fake_cgroupfs(tmp_path)
-    expected = tmp_path / "cgroup" / "daemon.service" / "litegraph-inv-1"
+    cgroups, own = _fake_cgroups(tmp_path)
+    expected = own / "litegraph-inv-1"
     written: list[str] = []
     run = Run()
 
@@ -466,71 +464,46 @@ async def test_memory_limit_goes_to_a_cgroup_when_one_can_be_made(tmp_path: Path
 
 
 async def test_the_cgroup_is_removed_when_the_run_is_cancelled(tmp_path: Path) -> None:
-    cgroups = _fake_cgroupfs(tmp_path)
+    cgroups, _ = _fake_cgroups(tmp_path)
     run = Run()
     with trio.move_on_after(0.2):
         await run(spec("sleep", "60", memory_limit_bytes=LIMIT, cgroup_name="i2"), cgroups=cgroups)
     assert run.started
-    assert list((tmp_path / "cgroup" / "daemon.service").iterdir()) == [
-        tmp_path / "cgroup" / "daemon.service" / "cgroup.subtree_control"
-    ]
+    assert cgroups.leftovers() == []
 
 
 async def test_the_cgroup_is_removed_when_spawning_fails(tmp_path: Path) -> None:
-    cgroups = _fake_cgroupfs(tmp_path)
+    cgroups, _ = _fake_cgroups(tmp_path)
     run = Run()
     with pytest.raises(FileNotFoundError):
         await run(spec("/nonexistent/binary", memory_limit_bytes=LIMIT), cgroups=cgroups)
-    assert not (tmp_path / "cgroup" / "daemon.service" / "litegraph-invocation").exists()
+    assert cgroups.leftovers() == []
 
 
-def test_no_cgroup_without_the_memory_controller(tmp_path: Path) -> None:
-    assert _fake_cgroupfs(tmp_path, subtree="cpu io").create("x", LIMIT) is None
+async def test_a_cgroup_that_cannot_be_made_falls_back_to_rlimit_as(tmp_path: Path) -> None:
+    cgroups, own = _fake_cgroups(tmp_path)
+    (own / "litegraph-taken").mkdir()  # a leftover under the same name is never reused
+    run = Run()
+    argv = spec(*PRINT_RLIMIT, memory_limit_bytes=LIMIT, cpu_only=True, cgroup_name="taken")
+    assert await run(argv, cgroups=cgroups) == 0
+    assert int(run.stdout.text()) == LIMIT
 
 
-def test_no_cgroup_on_a_plain_tmpfs_or_a_v1_host(tmp_path: Path) -> None:
-    # Hybrid hosts mount a writable tmpfs at /sys/fs/cgroup: no subtree_control there.
-    root = tmp_path / "tmpfs"
-    root.mkdir()
-    self_cgroup = tmp_path / "self-cgroup"
-    self_cgroup.write_text("4:memory:/x\n0::/\n")
-    assert CgroupV2(root=root, self_cgroup=self_cgroup).create("x", LIMIT) is None
-    assert list(root.iterdir()) == []
-    self_cgroup.write_text("4:memory:/x\n")  # pure cgroup v1
-    assert CgroupV2(root=root, self_cgroup=self_cgroup).create("x", LIMIT) is None
-
-
-def test_a_cgroup_path_outside_the_root_is_refused(tmp_path: Path) -> None:
-    cgroups = _fake_cgroupfs(tmp_path)
-    cgroups.self_cgroup.write_text("0::/../../elsewhere\n")
-    assert cgroups.create("x", LIMIT) is None
-
-
-def test_a_leftover_cgroup_is_replaced(tmp_path: Path) -> None:
-    cgroups = _fake_cgroupfs(tmp_path)
-    leftover = tmp_path / "cgroup" / "daemon.service" / "litegraph-x"
-    leftover.mkdir()
-    (leftover / "stale").write_text("")
-    assert cgroups.create("x", 1024) == leftover
-    assert (leftover / "memory.max").read_text() == "1024"
-    assert not (leftover / "stale").exists()
-
-
-def test_join_writes_zero_to_cgroup_procs(tmp_path: Path) -> None:
-    (tmp_path / "cgroup.procs").write_text("")
-    join = CgroupV2(join=True).preexec_join(tmp_path)
-    assert join is not None
-    join()  # in the child this moves it; here it only writes the file
-    assert (tmp_path / "cgroup.procs").read_text() == "0"
-    assert CgroupV2(join=False).preexec_join(tmp_path) is None
-
-
-async def test_remove_kills_what_is_left_first(tmp_path: Path) -> None:
-    removed: list[str] = []
-
-    def remove_dir(path: Path) -> None:
-        removed.append((path / "cgroup.kill").read_text())
-
-    (tmp_path / "cgroup.kill").write_text("")
-    assert await CgroupV2(remove_dir=remove_dir).remove(tmp_path)
-    assert removed == ["1"]
+async def test_a_real_cgroup_kills_what_left_the_process_group() -> None:
+    found = system_cgroups()
+    if os.geteuid() != 0 or not isinstance(found, Cgroups):
+        pytest.skip(f"needs root and usable cgroups: {found}")
+    run = Run()
+    name = f"t{os.getpid()}-escape"
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    print(os.getpid(), flush=True)\n"
+        "    os.close(1)\n"
+        "    time.sleep(60)\n"
+    )
+    argv = spec(PY, "-c", code, memory_limit_bytes=LIMIT, cpu_only=False, cgroup_name=name)
+    assert await run(argv, cgroups=found) == 0
+    assert await gone_within(int(run.stdout.text()))
+    assert name not in found.leftovers()
