@@ -189,15 +189,18 @@ class TokenService:
     def refresh(self, claims: Claims, *, deadline: float | None) -> MintedToken:
         """A fresh token with the scope of `claims`, which it supersedes.
 
-        `claims` must be a validated token's and still current (else
-        TokenRefused `revoked`). Before the token has used half its life this
-        raises RefreshTooEarly, saying when to come back.
+        `claims` must be a validated token's, unexpired and still current
+        (else TokenRefused `expired` or `revoked`, in the validator's order).
+        Before the token has used half its life this raises RefreshTooEarly,
+        saying when to come back.
         """
+        iat, exp = to_unix(claims.iat), to_unix(claims.exp)
+        now = self._clock()
+        if now >= exp + self._leeway:
+            raise TokenRefused(TokenRefusal.EXPIRED, "after exp")
         if claims.jti not in self._live:
             raise TokenRefused(TokenRefusal.REVOKED, "not the current token")
-        iat, exp = to_unix(claims.iat), to_unix(claims.exp)
         halfway = iat + (exp - iat) / 2
-        now = self._clock()
         if now < halfway:
             raise RefreshTooEarly(max(1, math.ceil(halfway - now)))
         return self.mint(

@@ -129,8 +129,10 @@ class Revocation(RuleBasedStateMachine):
         try:
             fresh = self.service.refresh(m.claims, deadline=None)
         except TokenRefused as refused:
-            assert refused.reason is TokenRefusal.REVOKED
-            assert m.revoked or not self._alive(m)
+            if self._alive(m):
+                assert m.revoked and refused.reason is TokenRefusal.REVOKED
+            else:
+                assert refused.reason is TokenRefusal.EXPIRED
             return
         except RefreshTooEarly as early:
             assert not m.revoked and self._alive(m)

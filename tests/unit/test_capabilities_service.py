@@ -286,6 +286,11 @@ def test_refresh_is_refused_until_half_the_token_life_is_used(
     with pytest.raises(TokenRefused) as refused:
         service.refresh(claims, deadline=None)
     assert refused.value.reason is TokenRefusal.REVOKED
+    # Nor can a token past its life (plus leeway), current or not.
+    clock.now = fresh.exp.timestamp() + service.leeway
+    with pytest.raises(TokenRefused) as late:
+        service.refresh(fresh, deadline=None)
+    assert late.value.reason is TokenRefusal.EXPIRED
 
 
 def test_refreshes_grow_nothing_however_many(tmp_path: pathlib.Path, clock: FakeClock) -> None:
