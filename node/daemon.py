@@ -31,6 +31,7 @@ from capabilities import CapabilityError, KeyRing, TokenService
 from capabilities.securefile import SecretFileError
 from node.config import Config, DeviceMode
 from node.machine import Machine
+from node.machine.cgroups import CgroupsUnavailable, system_cgroups
 from node.machine.health import HealthTransition
 from node.machine.journal import JournalError
 from node.machine.readiness import Readiness
@@ -248,6 +249,9 @@ class Daemon:
         devices = config.devices.value
         if self.dev and config.devices is DeviceMode.auto:
             devices = "workstation"
+        cgroups = system_cgroups()
+        if isinstance(cgroups, CgroupsUnavailable):
+            self.readiness.note("cgroups", f"limits not enforced by cgroups: {cgroups.reason}")
         try:
             return await Machine.open(
                 node_id=config.node_id,
@@ -261,6 +265,7 @@ class Daemon:
                 recovery_probes=config.recovery_probes,
                 on_transition=self._on_transition,
                 pynvml_module=self._pynvml,
+                cgroups=None if isinstance(cgroups, CgroupsUnavailable) else cgroups,
             )
         except (OSError, ValueError, JournalError) as exc:
             raise StartupError(str(exc)) from exc

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from node.machine.cgroups import Cgroups
 from node.machine.discovery import discover
 from node.machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
 from node.machine.inventory import Inventory
@@ -123,6 +124,7 @@ class Machine:
         self.journal = journal
         self.replay = replay
         self.recovery: ReconcileReport | None = None
+        self.removed_cgroups: list[str] = []
         self._sequence = 0
         self._journal_timeout = journal_timeout
         self._journal_limiter = trio.CapacityLimiter(1)
@@ -143,6 +145,7 @@ class Machine:
         on_transition: Callable[[HealthTransition], None] | None = None,
         pynvml_module: Any = None,
         reconcile_grace: float = 5.0,
+        cgroups: Cgroups | None = None,
         journal_timeout: float = 10.0,
     ) -> Machine:
         """Discover, open and replay the journal, reconcile. Raises JournalError (unsafe
@@ -182,6 +185,11 @@ class Machine:
             replay=replay,
             journal_timeout=journal_timeout,
         )
+        if cgroups is not None:
+            # Each invocation's cgroup is named by its reservation: kill what the dead
+            # daemon's invocations left there (setsid escapees included) before reconcile
+            # ends their process groups. Other names may be another daemon's: untouched.
+            machine.removed_cgroups = await cgroups.remove_leftovers(only=set(replay.reservations))
         machine.recovery = await reconcile(journal, ledger=ledger, grace=reconcile_grace)
         return machine
 
