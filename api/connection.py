@@ -1,6 +1,7 @@
-"""One client connection: HTTP/1.1 only, and a fault in it ends it alone.
+"""One client connection: HTTP/1.1 only, a fault in it ends it alone, and its
+read timer runs only while a request is awaited.
 
-This is Hypercorn's trio `TCPServer` with two changes for a daemon that may
+This is Hypercorn's trio `TCPServer` with three changes for a daemon that may
 listen on 0.0.0.0 without TLS:
 
 - Cleartext HTTP/2 is refused. A prior-knowledge preface (`PRI * HTTP/2.0`)
@@ -10,20 +11,28 @@ listen on 0.0.0.0 without TLS:
   already answered, and that error ended the whole server.
 - Whatever a connection raises is logged and closes that connection; only
   cancellation leaves `run`, so nothing a client sends can end `serve_http`.
+- The read timeout guards reading a request, not handling one. Hypercorn
+  arms it around every read, so a handler that ran longer (a long kernel) or
+  an event stream was cut off with no answer. Here it is off from the moment
+  a request's head has arrived until its response is done; the app's body
+  timeout bounds the body, the keep-alive timer an idle connection. The same
+  timeout bounds each write, so a peer that stops reading cannot hold a
+  stream open.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import struct
 from typing import Any
 
 import h11
 import trio
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
@@ -74,6 +83,9 @@ class _Http11Only:
 class Connection(TCPServer):
     """One accepted plain-TCP connection (the daemon serves no TLS itself)."""
 
+    _handling = False  # between a request's head and the end of its response
+    _read_scope: trio.CancelScope | None = None
+
     async def run(self) -> None:
         try:
             await self._serve()
@@ -109,3 +121,53 @@ class Connection(TCPServer):
             pass  # the peer went away
         finally:
             await self._close()
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData):
+            await self._write(event.data)
+            return
+        if isinstance(event, Updated):
+            self._handling = not event.idle
+            self._arm_read_timer()
+        await super().protocol_send(event)
+
+    async def _write(self, data: bytes) -> None:
+        async with self.send_lock:
+            # Shielded, so the app's cancellation never cuts a frame in half, and
+            # bounded: a peer that takes no bytes for a read timeout has gone.
+            timeout = self.config.read_timeout or math.inf
+            with trio.move_on_after(timeout, shield=True) as scope:
+                try:
+                    await self.stream.send_all(data)
+                    return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            if scope.cancelled_caught:
+                await trio.aclose_forcefully(self.stream)
+            await self.protocol.handle(Closed())
+
+    def _arm_read_timer(self) -> None:
+        timeout = self.config.read_timeout
+        if self._read_scope is not None:
+            if self._handling or timeout is None:
+                self._read_scope.deadline = math.inf
+            else:
+                self._read_scope.deadline = trio.current_time() + timeout
+
+    async def _read_data(self) -> None:
+        while True:
+            with trio.CancelScope() as scope:
+                self._read_scope = scope
+                self._arm_read_timer()
+                try:
+                    data = await self.stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                finally:
+                    self._read_scope = None
+            if scope.cancelled_caught:
+                break  # nothing arrived while a request was awaited
+            await self.protocol.handle(RawData(bytes(data)))
+            if data == b"":
+                break
+        await self.protocol.handle(Closed())

@@ -149,7 +149,22 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "operationId": "events",
                 "security": _OPERATOR,
-                "description": "Server-sent events; each data line is a NodeEvent.",
+                "description": (
+                    "Server-sent events; each data line of an invocation, health, lane or"
+                    " admission event is a NodeEvent, with id `<run>-<sequence>`. Send"
+                    " `Last-Event-ID` to resume after an id; when that is no longer kept"
+                    " the stream starts with a `resync` event (re-read /v1/snapshot). A"
+                    " `dropped` event ends a stream that fell behind. A `: heartbeat`"
+                    " comment comes every few seconds."
+                ),
+                "parameters": [
+                    {
+                        "name": "Last-Event-ID",
+                        "in": "header",
+                        "required": False,
+                        "schema": {"type": "string"},
+                    }
+                ],
                 "responses": _responses(
                     200, _content(ref["event"], "text/event-stream"), (*auth, 429)
                 ),

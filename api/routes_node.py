@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 from collections.abc import AsyncIterator
 
 import msgspec
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 
 from api.context import NodeContext
 from api.errors import ApiError
+from api.event_stream import HEARTBEAT_SECONDS, event_frames, resume_point
 from api.http import ANY_OPERATOR, is_loopback, require_role
 from api.metrics import CONTENT_TYPE
 from api.openapi import openapi_document
-from supervisor.events import Dropped, TooManySubscribers
+from supervisor.events import TooManySubscribers
 
 __all__ = ["register_node_routes"]
 
@@ -39,25 +41,22 @@ def register_node_routes(app: QuartTrio, ctx: NodeContext) -> None:
         if ctx.events is None:
             raise ApiError(503, "not_ready", "the node is starting")
         hub = ctx.events
+        after = resume_point(hub, request.headers.get("Last-Event-ID"))
         try:
-            subscription = hub.subscribe()
+            subscription = hub.subscribe(after)
             stream = await subscription.__aenter__()
         except TooManySubscribers as exc:
             raise ApiError(
                 429, "too_many_subscribers", str(exc), headers={"Retry-After": "5"}
             ) from None
+        # More often than a client that shares the server's read timeout gives up.
+        heartbeat = min(HEARTBEAT_SECONDS, ctx.http.read_timeout / 2)
 
         async def body() -> AsyncIterator[bytes]:
             try:
-                yield b": connected\n\n"
-                async for item in stream:
-                    if isinstance(item, Dropped):
-                        data = msgspec.json.encode({"missed_from": item.missed_from})
-                        yield b"event: dropped\ndata: " + data + b"\n\n"
-                        return
-                    data = msgspec.json.encode(item.event)
-                    head = f"id: {item.sequence}\nevent: {item.event.kind.value}\n".encode()
-                    yield head + b"data: " + data + b"\n\n"
+                async with contextlib.aclosing(event_frames(hub, stream, heartbeat)) as frames:
+                    async for frame in frames:
+                        yield frame
             finally:
                 await subscription.__aexit__(None, None, None)
 

@@ -27,6 +27,7 @@ from node.machine.snapshot import NodeSnapshot
 from supervisor.wire import InvocationState, InvocationStatus
 
 __all__ = [
+    "SSE_CONNECTED",
     "START_SECONDS",
     "STOP_SECONDS",
     "TERMINAL",
@@ -35,6 +36,7 @@ __all__ = [
     "bearer",
     "builtin_request",
     "daemon_config",
+    "event_run",
     "get_snapshot",
     "running_daemon",
     "settled_snapshot",
@@ -168,6 +170,17 @@ async def wait_for_state(
             await trio.sleep(0.02)
 
 
+def event_run(node: RunningDaemon) -> str:
+    """The run label of the daemon's event ids (`<run>-<sequence>`)."""
+    hub = node.daemon.context.events
+    assert hub is not None
+    return hub.run
+
+
+# The first block of every event stream: the reconnect delay and a comment.
+SSE_CONNECTED = {"retry": "2000", "": "connected"}
+
+
 class SseStream:
     """A server-sent events stream read over a raw HTTP/1.0 connection (no chunking,
     no client library generators to leak when a test stops reading early)."""
@@ -205,14 +218,17 @@ class SseStream:
 
 
 @contextlib.asynccontextmanager
-async def sse_connect(url: str, secret: str, path: str = "/v1/events") -> AsyncIterator[SseStream]:
+async def sse_connect(
+    url: str, secret: str, path: str = "/v1/events", last_event_id: str | None = None
+) -> AsyncIterator[SseStream]:
     parts = urllib.parse.urlsplit(url)
     assert parts.hostname is not None and parts.port is not None
     with trio.fail_after(10):
         stream = await trio.open_tcp_stream(parts.hostname, parts.port)
     async with stream:
+        resume = "" if last_event_id is None else f"Last-Event-ID: {last_event_id}\r\n"
         request = (
-            f"GET {path} HTTP/1.0\r\nHost: {parts.netloc}\r\n"
+            f"GET {path} HTTP/1.0\r\nHost: {parts.netloc}\r\n{resume}"
             f"Authorization: Bearer {secret}\r\nAccept: text/event-stream\r\n\r\n"
         )
         await stream.send_all(request.encode())

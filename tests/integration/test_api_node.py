@@ -15,8 +15,10 @@ from node.daemon import EVENT_SUBSCRIBERS
 from node.machine.snapshot import NodeSnapshot
 from supervisor.wire import InvocationState
 from tests.api_fixtures import (
+    SSE_CONNECTED,
     bearer,
     builtin_request,
+    event_run,
     get_snapshot,
     running_daemon,
     settled_snapshot,
@@ -155,7 +157,7 @@ async def test_events_stream_shows_an_invocation(tmp_path: pathlib.Path) -> None
     ):
         assert stream.status == 200
         assert "content-type: text/event-stream" in stream.head.lower()
-        assert (await stream.next_block()) == {"": "connected"}
+        assert (await stream.next_block()) == SSE_CONNECTED
         body = builtin_request("e1", "echo", {"text": "hello"})
         accepted = await client.post("/v1/invocations", json=body, headers=bearer(node.admin))
         assert accepted.status_code == 202
@@ -164,7 +166,9 @@ async def test_events_stream_shows_an_invocation(tmp_path: pathlib.Path) -> None
             while not states or states[-1] != "succeeded":
                 block = await stream.next_block()
                 event = msgspec.json.decode(block["data"])
-                assert block["event"] == event["kind"] and int(block["id"]) >= 0
+                assert block["event"] == event["kind"]
+                run, _, sequence = block["id"].rpartition("-")
+                assert run == event_run(node) and int(sequence) > 0
                 if event["kind"] == "invocation" and event["invocation"]["id"] == "e1":
                     states.append(event["invocation"]["state"])
         assert states[0] == "queued" and states[-1] == "succeeded"
@@ -180,7 +184,7 @@ async def test_events_subscriber_cap_gives_429_and_closed_streams_free_slots(
                     sse_connect(node.url, node.scheduler)
                 )
                 assert stream.status == 200
-                assert (await stream.next_block()) == {"": "connected"}
+                assert (await stream.next_block()) == SSE_CONNECTED
             async with sse_connect(node.url, node.scheduler) as refused:
                 assert refused.status == 429
                 assert "retry-after: 5" in refused.head.lower()

@@ -6,7 +6,14 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.events import Dropped, Envelope, EventHub, Subscription, TooManySubscribers
+from supervisor.events import (
+    Dropped,
+    Envelope,
+    EventHub,
+    Missed,
+    Subscription,
+    TooManySubscribers,
+)
 
 
 async def _collect(sub: Subscription[int], into: list[Envelope[int] | Dropped]) -> None:
@@ -112,3 +119,39 @@ async def test_closed_hub_refuses_new_subscribers() -> None:
 def test_bounds_must_be_positive(subscribers: int, buffer: int) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         EventHub[int](max_subscribers=subscribers, buffer=buffer)
+
+
+async def test_a_subscriber_resumes_after_the_last_sequence_it_saw() -> None:
+    hub: EventHub[str] = EventHub(max_subscribers=2, buffer=4)
+    for value in "abcde":
+        hub.publish(value)
+    async with hub.subscribe(after=3) as sub:
+        hub.publish("f")
+        hub.close()
+        items = [item async for item in sub]
+    assert items == [Envelope(4, "d"), Envelope(5, "e"), Envelope(6, "f")]
+
+
+async def test_resuming_from_the_last_published_event_replays_nothing() -> None:
+    hub: EventHub[str] = EventHub(max_subscribers=1, buffer=2)
+    hub.publish("a")
+    async with hub.subscribe(after=1) as sub:
+        hub.close()
+        assert [item async for item in sub] == []
+
+
+async def test_resuming_from_a_point_not_kept_starts_with_missed_then_goes_live() -> None:
+    hub: EventHub[int] = EventHub(max_subscribers=4, buffer=3)
+    for value in range(10):
+        hub.publish(value)
+    # Events after 5 and after 0: more than the 3 kept; 1000 and -1: never published.
+    for after in (5, 0, 1000, -1):
+        async with hub.subscribe(after=after) as sub:
+            hub.publish(99)
+            first, second = await sub.__anext__(), await sub.__anext__()
+        assert first == Missed(after) and isinstance(second, Envelope) and second.event == 99
+
+
+def test_each_hub_labels_its_run() -> None:
+    assert EventHub[int](1, 1).run != EventHub[int](1, 1).run
+    assert EventHub[int](1, 1, run="r1").run == "r1"
