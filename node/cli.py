@@ -27,8 +27,10 @@ from node.flags import (
     load_flag_table,
     parse_argv,
     render_help,
+    unknown_environment,
 )
 from node.logs import configure_logging
+from node.preflight import check_option_files
 
 __all__ = ["main"]
 
@@ -41,6 +43,8 @@ COMMANDS = {
     "run": "run -- CMD ...: submit a process to the local node and follow it",
     "contracts": "write (or --check) the JSON Schemas and OpenAPI in api/contracts/",
 }
+# The commands that read --sim-file; its file is checked before they start.
+DISCOVERS = frozenset({"serve", "dev", "snapshot"})
 log = logging.getLogger(__name__)
 
 
@@ -204,6 +208,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     environ = os.environ if environ is None else environ
     try:
         table = load_flag_table()
+        for warning in unknown_environment(table, environ):
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
         parsed = parse_argv(table, argv, environ, tuple(COMMANDS))
         if parsed.help:
             print(_help(table, parsed.command))
@@ -215,6 +221,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             raise FlagError(f"unexpected argument {inv.positional[0]!r}")
         if inv.command == "run" and not inv.positional:
             raise FlagError("run: give the command after --, e.g. run -- sleep 2")
+        if inv.command in DISCOVERS:
+            check_option_files(inv.config)
     except FlagError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """The composition root: builds every component from the Config and runs them
 in one trio nursery until a signal or an explicit stop asks for shutdown.
 
-Start-up order: the HTTP server first (probes answer while the rest starts),
+Start-up order: the state folder is checked (or created 0700) before anything
+else, then the HTTP server (probes answer while the rest starts),
 then keys, discovery, journal recovery, the supervisor and its lane owners,
 the health monitor and telemetry. /readyz turns 200 once all are done.
 Shutdown: stop admitting, give running work `--shutdown-grace`, cancel the
@@ -36,6 +37,7 @@ from node.machine.health import HealthTransition
 from node.machine.journal import JournalError
 from node.machine.readiness import Readiness
 from node.sdnotify import notify
+from node.statedir import StateDirError, prepare_state_dir
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_work import SimulatedExecutor
@@ -53,7 +55,7 @@ LIVE_TOKENS = 65536
 
 
 class StartupError(Exception):
-    """The daemon cannot start (unsafe key/auth/journal file, bad sim file); exit 1."""
+    """The daemon cannot start (unsafe state folder or key/auth/journal file); exit 1."""
 
 
 def http_settings(config: Config) -> HttpSettings:
@@ -85,7 +87,6 @@ def open_secrets(
 ) -> tuple[AuthFile, bool, KeyRing]:
     """The operator secrets and the key ring; StartupError names an unsafe file."""
     try:
-        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         auth, created = load_or_create_auth(auth_path)
         return auth, created, fresh_signing_key(state_dir)
     except (OSError, AuthError, CapabilityError, SecretFileError) as exc:
@@ -152,6 +153,10 @@ class Daemon:
             raise startup from startup.__cause__
 
     async def _run(self, task_status: trio.TaskStatus[str]) -> None:
+        try:
+            prepare_state_dir(pathlib.Path(self.config.state_dir))
+        except StateDirError as exc:
+            raise StartupError(str(exc)) from exc
         app = create_app(self.context)
         async with trio.open_nursery() as outer:
             if self._handle_signals and threading.current_thread() is threading.main_thread():

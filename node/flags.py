@@ -13,6 +13,7 @@ so a planted file cannot change the daemon's options.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import pathlib
@@ -31,6 +32,7 @@ __all__ = [
     "load_flag_table",
     "parse_argv",
     "render_help",
+    "unknown_environment",
 ]
 
 TYPES = frozenset({"string", "integer", "number", "bool", "array", "map"})
@@ -220,6 +222,27 @@ def parse_argv(
         help=want_help,
         explicit=frozenset(explicit),
     )
+
+
+def unknown_environment(table: FlagTable, environ: Mapping[str, str]) -> list[str]:
+    """One warning per variable that looks like ours (the prefix every flag's env
+    name shares) but names no flag, with the nearest valid name when one is close."""
+    known = sorted(
+        {s.env for s in table.for_command(None)}
+        | {s.env for specs in table.commands.values() for s in specs}
+    )
+    prefix = f"{table.service.upper().replace('-', '_')}_"
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith(prefix) or name in known:
+            continue
+        # Compare what follows the shared prefix, or every name looks alike.
+        close = difflib.get_close_matches(
+            name.removeprefix(prefix), [k.removeprefix(prefix) for k in known], n=1
+        )
+        hint = f"; did you mean {prefix}{close[0]}?" if close else " (see --help)"
+        warnings.append(f"{name} is not an option and is ignored{hint}")
+    return warnings
 
 
 def _coerce_one(spec: FlagSpec, raw: str) -> Any:

@@ -9,6 +9,7 @@ import subprocess
 import httpx
 import msgspec
 import psutil
+import pytest
 
 from node.machine.snapshot import NodeSnapshot
 from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
@@ -25,7 +26,7 @@ def run(
         text=True,
         env=clean_env(**env),
         cwd=cwd,
-        timeout=60,
+        timeout=30,
         check=False,
     )
 
@@ -110,5 +111,55 @@ def test_snapshot_of_the_simulated_workstation_has_gpu_and_mig_lanes() -> None:
 
 def test_snapshot_with_a_missing_sim_file_fails_clearly(tmp_path: pathlib.Path) -> None:
     result = run("snapshot", "--devices", "sim", "--sim-file", str(tmp_path / "nope.toml"))
-    assert result.returncode == 1
-    assert "nope.toml" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2
+    assert "--sim-file" in result.stderr and "nope.toml" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("content", [None, "[[gpus]]\nname = 3\n", "not toml ["])
+def test_a_bad_sim_file_exits_2_before_anything_is_created(
+    tmp_path: pathlib.Path, content: str | None
+) -> None:
+    sim = tmp_path / "sim.toml"
+    if content is not None:
+        sim.write_text(content)
+    state = tmp_path / "state"
+    result = run(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--devices", "sim",
+        "--sim-file", str(sim),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("litegraph-node: error: --sim-file: ") and str(sim) in line
+    # No port was bound and no secret, key or folder was created.
+    assert not state.exists()
+
+
+def test_a_misspelt_environment_variable_is_named_with_the_nearest_option() -> None:
+    result = run(
+        "snapshot", "--devices", "none",
+        LITEGRAPH_NODE_SHUTDOWN_GRCE="5", LITEGRAPH_NODE_ZZZZZZ="1", LITEGRAPH_NODE_LISTEN="x",
+    )  # fmt: skip
+    assert result.returncode == 2  # the valid LISTEN is still checked
+    assert result.stderr.splitlines()[:2] == [
+        "litegraph-node: warning: LITEGRAPH_NODE_SHUTDOWN_GRCE is not an option and is"
+        " ignored; did you mean LITEGRAPH_NODE_SHUTDOWN_GRACE?",
+        "litegraph-node: warning: LITEGRAPH_NODE_ZZZZZZ is not an option and is ignored"
+        " (see --help)",
+    ]
+
+
+def test_dev_refuses_an_open_state_dir_with_one_line(tmp_path: pathlib.Path) -> None:
+    state = tmp_path / "xdg" / "litegraph-node"
+    state.mkdir(parents=True)
+    state.chmod(0o777)
+    result = run(
+        "dev", "--listen", "127.0.0.1:0", "--devices", "none", XDG_STATE_HOME=str(tmp_path / "xdg")
+    )
+    assert result.returncode == 1, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if "cannot start" in x]
+    assert line == (
+        f"litegraph-node: cannot start: state folder {state} has mode 0777: other users"
+        " could read or replace its keys and secrets (chmod 700 it)"
+    )
+    assert list(state.iterdir()) == []

@@ -6,7 +6,14 @@ import pathlib
 
 import pytest
 
-from node.flags import FlagError, coerce, load_flag_table, parse_argv, render_help
+from node.flags import (
+    FlagError,
+    coerce,
+    load_flag_table,
+    parse_argv,
+    render_help,
+    unknown_environment,
+)
 
 FLAGS = """
 [identity]
@@ -177,3 +184,20 @@ def test_malformed_flag_file_is_refused(tmp_path: pathlib.Path) -> None:
     path.write_text('[flags.x]\nenv = "lower-case"\n')
     with pytest.raises(FlagError, match="env"):
         load_flag_table(path)
+
+
+def test_unknown_environment_names_only_our_misspellings() -> None:
+    real = load_flag_table()
+    environ = {
+        "LITEGRAPH_NODE_LISTEN": "x",  # a global flag
+        "LITEGRAPH_NODE_URL": "x",  # a subcommand's flag
+        "LITEGRAPH_CAPABILITY_TOKEN": "x",  # not our prefix: a child's variable
+        "PATH": "/bin",
+        "LITEGRAPH_NODE_STATEDIR": "x",
+        "LITEGRAPH_NODE_NOTHING_LIKE_IT": "x",
+    }
+    assert unknown_environment(real, environ) == [
+        "LITEGRAPH_NODE_NOTHING_LIKE_IT is not an option and is ignored (see --help)",
+        "LITEGRAPH_NODE_STATEDIR is not an option and is ignored;"
+        " did you mean LITEGRAPH_NODE_STATE_DIR?",
+    ]
