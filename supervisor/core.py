@@ -31,8 +31,14 @@ from supervisor.events import EventHub
 from supervisor.invocation import Invocation, utc_now
 from supervisor.lane_owner import LaneOwner, LaneWorkError
 from supervisor.lane_work import LaneExecutor, LaneWorkReply, LaneWorkRequest
-from supervisor.lifecycle import TERMINAL, Ending
+from supervisor.lifecycle import TERMINAL, Ending, next_state
 from supervisor.process import ProcessStuck
+from supervisor.remembered import (
+    ended_record,
+    recorded_status,
+    recorded_submit_response,
+    request_digest,
+)
 from supervisor.runner import RunEnv, run_work
 from supervisor.wire import (
     EventKind,
@@ -144,9 +150,12 @@ class Supervisor:
     # -- reading ------------------------------------------------------------------------
     def get(self, invocation_id: str) -> InvocationStatus:
         inv = self._live.get(invocation_id) or self._ended.get(invocation_id)
-        if inv is None:
+        if inv is not None:
+            return inv.status()
+        record = self.machine.ended_invocation(invocation_id)
+        if record is None:
             raise UnknownInvocation(invocation_id)
-        return inv.status()
+        return recorded_status(record)  # ended before a restart (or long ago)
 
     def list(self) -> list[InvocationStatus]:
         return [inv.status() for inv in (*self._live.values(), *self._ended.values())]
@@ -162,6 +171,11 @@ class Supervisor:
         existing = self._live.get(request.id) or self._ended.get(request.id)
         if existing is not None:
             return await self._resubmitted(existing, request)
+        record = self.machine.ended_invocation(request.id)
+        if record is not None:  # ended before a restart, or forgotten from memory since
+            if record.request_digest != request_digest(request):
+                raise self._id_conflict(request.id)
+            return recorded_submit_response(record)
         if not self.accepting or self._nursery is None:
             raise AdmissionRefused(503, "shutting_down", "the node is not admitting work")
         waiting = sum(1 for inv in self._live.values() if inv.state is InvocationState.queued)
@@ -210,14 +224,18 @@ class Supervisor:
 
     async def _resubmitted(self, inv: Invocation, request: InvocationRequest) -> SubmitResponse:
         if request != inv.request:  # by value: key order in a dict does not matter
-            raise AdmissionRefused(
-                409, "id_conflict", f"invocation {request.id} exists with a different request"
-            )
+            raise self._id_conflict(request.id)
         with trio.fail_after(self.cleanup_deadline):
             await inv.admitted.wait()
         if inv.id not in self._live and inv.id not in self._ended:
             raise AdmissionRefused(409, "admission_failed", "the first submission was refused")
         return inv.submit_response()
+
+    @staticmethod
+    def _id_conflict(invocation_id: str) -> AdmissionRefused:
+        return AdmissionRefused(
+            409, "id_conflict", f"invocation {invocation_id} exists with a different request"
+        )
 
     async def _admit(self, inv: Invocation) -> None:
         request = inv.request
@@ -340,7 +358,10 @@ class Supervisor:
                 await self._release(inv)
             if cleanup.cancelled_caught:
                 log.error("cleanup of %s overran %ss", inv.id, self.cleanup_deadline)
-            inv.advance(ending)
+            ended_at = utc_now()
+            with trio.move_on_after(self.cleanup_deadline, shield=True):
+                await self._remember(inv, next_state(inv.state, ending), ended_at)
+            inv.advance(ending, at=ended_at)
             self._retire(inv)
             self._announce(inv)
             inv.finished.set()
@@ -369,6 +390,18 @@ class Supervisor:
             except (OSError, JournalError, trio.TooSlowError) as exc:
                 # The group is gone already; a restart's reconcile finds the pid dead.
                 log.error("journal of the end of %s (pid %d) failed: %s", inv.id, inv.pid, exc)
+
+    async def _remember(self, inv: Invocation, state: InvocationState, ended_at: str) -> None:
+        """Journal how it ends, so its id does not run again after a restart."""
+        try:
+            await self.machine.invocation_ended(ended_record(inv, state, ended_at))
+        except Exception as exc:  # whatever it is, the invocation still ends
+            log.error(
+                "journal of the outcome of %s failed (a resubmission after a restart would "
+                "run it again): %s",
+                inv.id,
+                exc,
+            )
 
     def _revoke(self, inv: Invocation) -> None:
         # Forgets the invocation's tokens: it frees room and can never fail for lack of it.

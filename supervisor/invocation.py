@@ -57,12 +57,12 @@ class Invocation:
     def id(self) -> str:
         return self.request.id
 
-    def advance(self, ending: Ending) -> InvocationState:
+    def advance(self, ending: Ending, *, at: str | None = None) -> InvocationState:
         self.state = next_state(self.state, ending)
         if ending is Ending.start:
-            self.started_at = utc_now()
+            self.started_at = at or utc_now()
         else:
-            self.ended_at = utc_now()
+            self.ended_at = at or utc_now()
         return self.state
 
     def lanes(self) -> list[GrantedLane]:

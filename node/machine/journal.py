@@ -5,6 +5,12 @@ payload, then the msgpack payload (a tagged msgspec Struct). Compaction
 rewrites the live state to a temp file, fsyncs it and renames it over the
 log (atomic).
 
+Besides reservations and processes, the live state remembers ended
+invocations (`EndedRecord`: the id, a digest of the request, and the outcome,
+opaque here), so an id is not run twice across a restart. It keeps the newest
+`retain_ended` (4,096) ended in the last `retain_ended_s` (24 h, by wall
+clock); older ones are forgotten on compaction and are not reported.
+
 Writing. An append is one frame, written and fsynced; only then is it applied
 to the live state. If the write or the fsync fails (a full disk, an I/O
 error), the file is truncated back to the end of the last good record and the
@@ -40,7 +46,9 @@ import logging
 import os
 import stat
 import struct
+import time
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 
 import msgspec
@@ -49,6 +57,9 @@ from node.machine.ledger import Reservation
 
 __all__ = [
     "JOURNAL_FILENAME",
+    "RETAIN_ENDED",
+    "RETAIN_ENDED_SECONDS",
+    "EndedRecord",
     "Journal",
     "JournalCorrupt",
     "JournalError",
@@ -66,6 +77,9 @@ log = logging.getLogger(__name__)
 
 JOURNAL_FILENAME = "reservations.journal"
 _HEADER = struct.Struct(">II")
+# Ended invocations remembered (newest first), and for how long.
+RETAIN_ENDED = 4096
+RETAIN_ENDED_SECONDS = 24 * 3600.0
 # No honest record comes near this; a bigger length means a corrupt header.
 MAX_RECORD_BYTES = 1 << 20
 # Looking for whole records after a length that runs past the end of the file reads
@@ -92,7 +106,16 @@ class ProcessEndedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="process
     pid: int
 
 
-Record = ReserveRecord | ReleaseRecord | ProcessStartedRecord | ProcessEndedRecord
+class EndedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="ended"):
+    """An invocation that ended: what it was asked (a digest) and how it ended."""
+
+    invocation_id: str
+    request_digest: str
+    ended_at: float  # Unix time: the retention window must hold across restarts
+    outcome: bytes  # the supervisor's encoding; the journal does not read it
+
+
+Record = ReserveRecord | ReleaseRecord | ProcessStartedRecord | ProcessEndedRecord | EndedRecord
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
 
@@ -109,6 +132,8 @@ class JournalReplay(msgspec.Struct, frozen=True, kw_only=True):
     reservations: dict[str, Reservation]
     # Processes recorded as started and not as ended, keyed by pid.
     processes: dict[int, ProcessRecord]
+    # Invocations that ended within the retention window, oldest first.
+    ended: dict[str, EndedRecord] = msgspec.field(default_factory=dict)
     records: int
     dropped_bytes: int = 0
     problem: str | None = None  # why a torn tail was dropped, if one was
@@ -178,9 +203,12 @@ def _fsync_dir(directory: Path) -> None:
 class _State:
     """The live view the log describes; replay and append both update it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, retain_ended: int, retain_ended_s: float) -> None:
         self.reservations: dict[str, Reservation] = {}
         self.processes: dict[int, ProcessRecord] = {}
+        self.ended: OrderedDict[str, EndedRecord] = OrderedDict()
+        self._retain_ended = retain_ended
+        self._retain_ended_s = retain_ended_s
 
     def apply(self, record: Record) -> None:
         match record:
@@ -192,6 +220,25 @@ class _State:
                 self.processes[pid] = ProcessRecord(reservation_id=rid, pid=pid, start_time=t)
             case ProcessEndedRecord(pid=pid):
                 self.processes.pop(pid, None)
+            case EndedRecord(invocation_id=iid):
+                self.ended.pop(iid, None)
+                self.ended[iid] = record
+                while len(self.ended) > self._retain_ended:
+                    self.ended.popitem(last=False)
+
+    def _fresh(self, record: EndedRecord) -> bool:
+        return record.ended_at >= time.time() - self._retain_ended_s
+
+    def live_ended(self) -> dict[str, EndedRecord]:
+        """The ended invocations still inside the retention window, oldest first."""
+        return {iid: r for iid, r in self.ended.items() if self._fresh(r)}
+
+    def live_ended_one(self, invocation_id: str) -> EndedRecord | None:
+        record = self.ended.get(invocation_id)
+        return record if record is not None and self._fresh(record) else None
+
+    def size(self) -> int:
+        return len(self.reservations) + len(self.processes) + len(self.ended)
 
     def records(self) -> list[Record]:
         out: list[Record] = [ReserveRecord(reservation=r) for r in self.reservations.values()]
@@ -201,6 +248,7 @@ class _State:
             )
             for p in self.processes.values()
         )
+        out.extend(self.live_ended().values())
         return out
 
 
@@ -330,7 +378,13 @@ class Journal:
 
     @classmethod
     def open(
-        cls, state_dir: Path, *, durable: bool = True, compact_every: int = 1024
+        cls,
+        state_dir: Path,
+        *,
+        durable: bool = True,
+        compact_every: int = 1024,
+        retain_ended: int = RETAIN_ENDED,
+        retain_ended_s: float = RETAIN_ENDED_SECONDS,
     ) -> tuple[Journal, JournalReplay]:
         """Open and replay; raises JournalUnsafe or JournalCorrupt (the file untouched)."""
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -351,7 +405,7 @@ class Journal:
             _check_safe(path, os.fstat(fd))
             with open(fd, "rb", closefd=False) as reader:
                 data = reader.read()
-            state = _State()
+            state = _State(retain_ended=retain_ended, retain_ended_s=retain_ended_s)
             scan = _replay(data, state)
             if scan.problem is not None and not scan.torn:
                 raise JournalCorrupt(path, scan.good, scan.problem)
@@ -367,6 +421,7 @@ class Journal:
         replay = JournalReplay(
             reservations=dict(state.reservations),
             processes=dict(state.processes),
+            ended=state.live_ended(),
             records=scan.records,
             dropped_bytes=len(data) - scan.good,
             problem=scan.problem,
@@ -406,8 +461,7 @@ class Journal:
         self.write_problem = None
         self._state.apply(record)
         self._records += 1
-        live = len(self._state.reservations) + len(self._state.processes)
-        if self._records >= self._compact_every and self._records > 2 * live:
+        if self._records >= self._compact_every and self._records > 2 * self._state.size():
             try:
                 self.compact()
             except Exception:
@@ -448,12 +502,19 @@ class Journal:
     def record_process_ended(self, reservation_id: str, pid: int) -> None:
         self._append(ProcessEndedRecord(reservation_id=reservation_id, pid=pid))
 
+    def record_ended(self, record: EndedRecord) -> None:
+        self._append(record)
+
     # -- reading --------------------------------------------------------------------
     def reservations(self) -> dict[str, Reservation]:
         return dict(self._state.reservations)
 
     def processes(self) -> dict[int, ProcessRecord]:
         return dict(self._state.processes)
+
+    def ended(self, invocation_id: str) -> EndedRecord | None:
+        """How `invocation_id` ended, if that is remembered and inside the window."""
+        return self._state.live_ended_one(invocation_id)
 
     @property
     def record_count(self) -> int:

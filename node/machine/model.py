@@ -27,7 +27,7 @@ from node.machine.cgroups import Cgroups
 from node.machine.discovery import discover
 from node.machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
 from node.machine.inventory import Inventory
-from node.machine.journal import Journal, JournalError, JournalReplay
+from node.machine.journal import EndedRecord, Journal, JournalError, JournalReplay
 from node.machine.lanes import build_lanes
 from node.machine.ledger import Ledger, Reservation, ReservationRequest
 from node.machine.monitor import monitor_devices, sync_ledger
@@ -234,6 +234,15 @@ class Machine:
             await self._journal(
                 functools.partial(self.journal.record_process_ended, reservation_id, pid)
             )
+
+    async def invocation_ended(self, record: EndedRecord) -> None:
+        """Remember durably how an invocation ended (kept for a bounded count and time)."""
+        with trio.CancelScope(shield=True):
+            await self._journal(functools.partial(self.journal.record_ended, record))
+
+    def ended_invocation(self, invocation_id: str) -> EndedRecord | None:
+        """How `invocation_id` ended, if the journal still remembers it."""
+        return self.journal.ended(invocation_id)
 
     def journal_problem(self) -> str | None:
         """Why the journal cannot write (its last write failed), or None."""

@@ -87,3 +87,54 @@ def test_sigkill_then_restart_leaves_no_orphan_and_refuses_old_tokens(
             assert refused.status_code == 401
             assert refused.json()["error"]["code"] == "unknown_key"
         assert stop(second, signal.SIGTERM) == 0
+
+
+def _echo(text: str) -> dict[str, object]:
+    return {
+        "id": "once-only",
+        "work": {"kind": "process", "argv": ["sh", "-c", f"echo {text}"]},
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
+    }
+
+
+def _wait_ended(client: httpx.Client, invocation_id: str) -> dict[str, object]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        status: dict[str, object] = client.get(f"/v1/invocations/{invocation_id}").json()
+        if status["state"] not in ("queued", "running"):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"{invocation_id} never ended")
+
+
+def test_an_id_resubmitted_after_a_restart_answers_its_outcome_and_does_not_run_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    env = clean_env()
+    with spawned(_serve(tmp_path), env) as first:
+        url = wait_for_line(first, LISTENING)
+        with httpx.Client(base_url=url, timeout=10) as client:
+            _wait_ready(client)
+        secret = json.loads((tmp_path / "auth.json").read_text())["scheduler"]
+        operator = {"Authorization": f"Bearer {secret}"}
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            assert client.post("/v1/invocations", json=_echo("hi")).status_code == 202
+            ended = _wait_ended(client, "once-only")
+            assert ended["state"] == "succeeded"
+        assert stop(first, signal.SIGTERM) == 0
+
+    with spawned(_serve(tmp_path), env) as second:
+        url = wait_for_line(second, LISTENING)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            _wait_ready(client)
+            for _ in range(3):
+                again = client.post("/v1/invocations", json=_echo("hi"))
+                assert again.status_code == 202, again.text
+                assert again.json()["state"] == "succeeded" and again.json()["tokens"] == {}
+            status = client.get("/v1/invocations/once-only").json()
+            assert status["state"] == "succeeded" and status["ended_at"] == ended["ended_at"]
+            assert status["stdout_bytes"] == ended["stdout_bytes"] == 3
+            other = client.post("/v1/invocations", json=_echo("bye"))
+            assert other.status_code == 409 and other.json()["error"]["code"] == "id_conflict"
+            assert client.get("/v1/snapshot").json()["capacity"]["cpu_millis"]["allocated"] == 0
+        assert stop(second, signal.SIGTERM) == 0

@@ -1,10 +1,11 @@
 """A stateful property test over the capacity ledger and its journal.
 
-Reserve, release (twice), change device health, drain/resume lanes and crash +
-restart from the journal (sometimes with a torn tail), checking after every
-step: allocatable is never negative, allocated equals the sum of live
-reservations, and the ledger rebuilt from the journal equals the one before
-the crash.
+Reserve, release (twice), change device health, drain/resume lanes, record
+ended invocations and crash + restart from the journal (sometimes with a torn
+tail), checking after every step: allocatable is never negative, allocated
+equals the sum of live reservations, the ledger rebuilt from the journal
+equals the one before the crash, and the ended invocations it remembers are
+exactly the newest `RETAIN` ones, through every compaction.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
+import time
+from collections import OrderedDict
 from pathlib import Path
 
 from hypothesis import settings
@@ -25,7 +28,7 @@ from hypothesis.stateful import (
 
 from node.machine.health import HealthState
 from node.machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from node.machine.journal import JOURNAL_FILENAME, Journal
+from node.machine.journal import JOURNAL_FILENAME, EndedRecord, Journal
 from node.machine.lanes import Isolation, Requirement, build_lanes
 from node.machine.ledger import (
     Ledger,
@@ -58,7 +61,9 @@ INVENTORY = Inventory(
     ),
 )
 LANES = build_lanes(INVENTORY)
-IDS = st.sampled_from([f"inv-{i}" for i in range(8)])
+IDS_LIST = [f"inv-{i}" for i in range(8)]
+IDS = st.sampled_from(IDS_LIST)
+RETAIN = 3  # ended invocations remembered: small, so the bound is exercised
 _dirs = itertools.count()
 
 
@@ -87,8 +92,11 @@ class LedgerJournalMachine(RuleBasedStateMachine):
         self.drained: set[str] = set()
         self.ledger = new_ledger(self.health, self.drained)
         # Not fsync'd per record here: durability is the unit tests' job, speed is ours.
-        self.journal, _ = Journal.open(self.dir, durable=False, compact_every=12)
+        self.journal, _ = Journal.open(
+            self.dir, durable=False, compact_every=12, retain_ended=RETAIN
+        )
         self.live: dict[str, Reservation] = {}
+        self.ended: OrderedDict[str, EndedRecord] = OrderedDict()
 
     def teardown(self) -> None:
         self.journal.close()
@@ -159,6 +167,17 @@ class LedgerJournalMachine(RuleBasedStateMachine):
             self.ledger.resume(lane_id)
             self.drained.discard(lane_id)
 
+    @rule(rid=IDS, digest=st.sampled_from(["x", "y"]))
+    def invocation_ended(self, rid: str, digest: str) -> None:
+        record = EndedRecord(
+            invocation_id=rid, request_digest=digest, ended_at=time.time(), outcome=b"{}"
+        )
+        self.journal.record_ended(record)
+        self.ended.pop(rid, None)
+        self.ended[rid] = record
+        while len(self.ended) > RETAIN:
+            self.ended.popitem(last=False)
+
     @rule(torn=st.sampled_from([b"", b"\x00\x00", b"\x00\x00\x00\x30\x12\x34\x56\x78abc"]))
     def crash_and_restart(self, torn: bytes) -> None:
         before = self.ledger.capacity()
@@ -167,8 +186,11 @@ class LedgerJournalMachine(RuleBasedStateMachine):
             fd = os.open(self.dir / JOURNAL_FILENAME, os.O_WRONLY | os.O_APPEND)
             os.write(fd, torn)
             os.close(fd)
-        self.journal, replay = Journal.open(self.dir, durable=False, compact_every=12)
+        self.journal, replay = Journal.open(
+            self.dir, durable=False, compact_every=12, retain_ended=RETAIN
+        )
         assert (replay.problem is None) == (not torn)
+        assert replay.ended == dict(self.ended)
         ledger = new_ledger(self.health, self.drained)
         for reservation in replay.reservations.values():
             ledger.adopt(reservation)
@@ -188,6 +210,8 @@ class LedgerJournalMachine(RuleBasedStateMachine):
         cap = self.ledger.capacity()
         assert self.ledger.reservations() == self.live
         assert self.journal.reservations() == self.live
+        for rid in IDS_LIST:
+            assert self.journal.ended(rid) == self.ended.get(rid)
         assert cap.cpu_millis.allocated == sum(r.cpu_millis for r in self.live.values())
         assert cap.memory_bytes.allocated == sum(r.memory_bytes for r in self.live.values())
         held: dict[str, int] = {}

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 import zlib
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import trio
 
 from node.machine.journal import (
     JOURNAL_FILENAME,
+    EndedRecord,
     Journal,
     JournalCorrupt,
     JournalError,
@@ -439,3 +441,46 @@ def test_recover_rewrites_the_journal_and_clears_the_problem(
     journal.close()
     _, replay = Journal.open(tmp_path)
     assert set(replay.reservations) == {"a"}
+
+
+def ended(iid: str, at: float | None = None) -> EndedRecord:
+    return EndedRecord(
+        invocation_id=iid,
+        request_digest="d-" + iid,
+        ended_at=time.time() if at is None else at,
+        outcome=b'{"state":"succeeded"}',
+    )
+
+
+def test_ended_invocations_survive_compaction_and_restart_within_count_and_window(
+    tmp_path: Path,
+) -> None:
+    journal, _ = Journal.open(tmp_path, compact_every=8, retain_ended=5, retain_ended_s=3600)
+    journal.record_ended(ended("stale", at=time.time() - 3601))  # outside the window
+    for i in range(7):
+        journal.record_ended(ended(f"e{i}"))
+    churn(journal, 0, 8)  # compaction rewrites the log along the way
+    assert journal.record_count < 24
+    assert journal.ended("e6") == ended("e6", at=journal.ended("e6").ended_at)  # type: ignore[union-attr]
+    assert journal.ended("e0") is None  # past the count: the two oldest are forgotten
+    assert journal.ended("stale") is None
+    journal.close()
+    journal, replay = Journal.open(tmp_path, retain_ended=5, retain_ended_s=3600)
+    assert list(replay.ended) == ["e2", "e3", "e4", "e5", "e6"]
+    assert replay.ended["e4"].request_digest == "d-e4"
+    assert journal.ended("e2") is not None
+    journal.close()
+    # A shorter window on the next start forgets what is older than it.
+    data = (tmp_path / JOURNAL_FILENAME).read_bytes()
+    _, replay = Journal.open(tmp_path, retain_ended_s=0.0)
+    assert replay.ended == {} and (tmp_path / JOURNAL_FILENAME).read_bytes() == data
+
+
+def test_the_same_id_ending_again_keeps_only_its_latest_record(tmp_path: Path) -> None:
+    journal, _ = Journal.open(tmp_path, retain_ended=2)
+    journal.record_ended(ended("a", at=time.time() - 10))
+    journal.record_ended(ended("b"))
+    journal.record_ended(ended("a"))
+    journal.close()
+    _, replay = Journal.open(tmp_path, retain_ended=2)
+    assert list(replay.ended) == ["b", "a"] and replay.ended["a"].ended_at > time.time() - 5

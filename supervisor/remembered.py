@@ -1,0 +1,68 @@
+"""Ended invocations as the journal remembers them, so an id never runs twice.
+
+The journal keeps, per ended invocation, a digest of its request and its final
+status (without the output text, which is not kept), for a bounded count and
+time (`node.machine.journal.RETAIN_ENDED`, `RETAIN_ENDED_SECONDS`). After a
+restart a resubmission with the same request answers that status; another
+request under the id is a conflict, as it is before a restart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import time
+
+import msgspec
+
+from node.machine.journal import EndedRecord
+from node.machine.lanes import Isolation, Requirement
+from node.machine.snapshot import rfc3339
+from supervisor.invocation import Invocation
+from supervisor.wire import InvocationRequest, InvocationState, InvocationStatus, SubmitResponse
+
+__all__ = ["ended_record", "recorded_status", "recorded_submit_response", "request_digest"]
+
+
+def request_digest(request: InvocationRequest) -> str:
+    """SHA-256 of the request in a canonical encoding (dict keys sorted at every level)."""
+    return hashlib.sha256(msgspec.json.encode(request, order="deterministic")).hexdigest()
+
+
+def ended_record(inv: Invocation, state: InvocationState, ended_at: str) -> EndedRecord:
+    """The record of `inv` as it will be once it reaches `state` at `ended_at` (written
+    before the terminal state is recorded, so nobody sees that state unremembered)."""
+    status = msgspec.structs.replace(
+        inv.status(), state=state, ended_at=ended_at, stdout_tail="", stderr_tail=""
+    )
+    return EndedRecord(
+        invocation_id=inv.id,
+        request_digest=request_digest(inv.request),
+        ended_at=time.time(),
+        outcome=msgspec.json.encode(status),
+    )
+
+
+def recorded_status(record: EndedRecord) -> InvocationStatus:
+    try:
+        return msgspec.json.decode(record.outcome, type=InvocationStatus)
+    except msgspec.DecodeError:
+        # Written in another shape (another version): the id is still taken.
+        ended = rfc3339(datetime.datetime.fromtimestamp(record.ended_at, datetime.UTC))
+        return InvocationStatus(
+            id=record.invocation_id,
+            state=InvocationState.failed,
+            reason="recorded_outcome_unreadable",
+            requirement=Requirement.AUTO,
+            isolation=Isolation.SHARED,
+            lanes=[],
+            submitted_at=ended,
+            ended_at=ended,
+        )
+
+
+def recorded_submit_response(record: EndedRecord) -> SubmitResponse:
+    """The answer to a resubmission: its recorded state and lanes; its tokens are long
+    revoked (and were signed by a key retired at the restart), so none."""
+    status = recorded_status(record)
+    return SubmitResponse(id=status.id, state=status.state, lanes=status.lanes, tokens={})
