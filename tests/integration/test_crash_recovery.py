@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import signal
+import subprocess
 import time
 
 import httpx
@@ -31,6 +32,15 @@ def _wait_ready(client: httpx.Client) -> None:
     raise AssertionError("the daemon never became ready")
 
 
+def _ready(proc: subprocess.Popen[bytes], state: pathlib.Path) -> tuple[str, dict[str, str]]:
+    """The daemon's URL once it is ready, and the scheduler's credential."""
+    url = wait_for_line(proc, LISTENING)
+    with httpx.Client(base_url=url, timeout=10) as client:
+        _wait_ready(client)
+    secret = json.loads((state / "auth.json").read_text())["scheduler"]
+    return url, {"Authorization": f"Bearer {secret}"}
+
+
 def _descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
@@ -40,11 +50,7 @@ def test_sigkill_then_restart_leaves_no_orphan_and_refuses_old_tokens(
 ) -> None:
     env = clean_env()
     with spawned(_serve(tmp_path), env) as first:
-        url = wait_for_line(first, LISTENING)
-        with httpx.Client(base_url=url, timeout=10) as client:
-            _wait_ready(client)
-        secret = json.loads((tmp_path / "auth.json").read_text())["scheduler"]
-        operator = {"Authorization": f"Bearer {secret}"}
+        url, operator = _ready(first, tmp_path)
         with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
             baseline = client.get("/v1/snapshot").json()["capacity"]
             accepted = client.post(
@@ -112,11 +118,7 @@ def test_an_id_resubmitted_after_a_restart_answers_its_outcome_and_does_not_run_
 ) -> None:
     env = clean_env()
     with spawned(_serve(tmp_path), env) as first:
-        url = wait_for_line(first, LISTENING)
-        with httpx.Client(base_url=url, timeout=10) as client:
-            _wait_ready(client)
-        secret = json.loads((tmp_path / "auth.json").read_text())["scheduler"]
-        operator = {"Authorization": f"Bearer {secret}"}
+        url, operator = _ready(first, tmp_path)
         with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
             assert client.post("/v1/invocations", json=_echo("hi")).status_code == 202
             ended = _wait_ended(client, "once-only")

@@ -12,7 +12,7 @@ from node.machine.journal import RETAIN_ENDED_SECONDS, EndedRecord, Journal
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
 from supervisor.remembered import request_digest
-from supervisor.wire import InvocationState
+from supervisor.wire import InvocationRequest, InvocationState
 from tests.supervisor_fixtures import builtin, open_rig
 
 S = InvocationState
@@ -49,18 +49,27 @@ async def test_an_ended_id_resubmitted_after_a_restart_answers_its_recorded_outc
         rig.assert_baseline()
 
 
-async def test_an_id_ended_before_the_window_runs_again(tmp_path: Path) -> None:
-    request = builtin("old", "echo", text="hi")
+def _journal_ended(
+    tmp_path: Path, request: InvocationRequest, *, ended_at: float, outcome: bytes
+) -> None:
+    """What an earlier daemon on this state dir journaled when `request` ended."""
     journal, _ = Journal.open(tmp_path / "state")
     journal.record_ended(
         EndedRecord(
-            invocation_id="old",
+            invocation_id=request.id,
             request_digest=request_digest(request),
-            ended_at=time.time() - RETAIN_ENDED_SECONDS - 1,
-            outcome=b"{}",
+            ended_at=ended_at,
+            outcome=outcome,
         )
     )
     journal.close()
+
+
+async def test_an_id_ended_before_the_window_runs_again(tmp_path: Path) -> None:
+    request = builtin("old", "echo", text="hi")
+    _journal_ended(
+        tmp_path, request, ended_at=time.time() - RETAIN_ENDED_SECONDS - 1, outcome=b"{}"
+    )
     async with open_rig(tmp_path) as rig:
         with pytest.raises(UnknownInvocation):
             rig.sup.get("old")
@@ -70,16 +79,7 @@ async def test_an_id_ended_before_the_window_runs_again(tmp_path: Path) -> None:
 
 async def test_an_unreadable_recorded_outcome_still_keeps_the_id(tmp_path: Path) -> None:
     request = builtin("odd", "echo", text="hi")
-    journal, _ = Journal.open(tmp_path / "state")
-    journal.record_ended(
-        EndedRecord(
-            invocation_id="odd",
-            request_digest=request_digest(request),
-            ended_at=time.time(),
-            outcome=b"not json",
-        )
-    )
-    journal.close()
+    _journal_ended(tmp_path, request, ended_at=time.time(), outcome=b"not json")
     async with open_rig(tmp_path) as rig:
         answer = await rig.sup.submit(request)
         assert answer.state is S.failed and rig.invocation_events("odd") == []
