@@ -58,6 +58,11 @@ def check_request(request: InvocationRequest) -> None:
             validate_env(work.env)
             if work.cwd is not None and ("\0" in work.cwd or not work.cwd.startswith("/")):
                 raise InvalidProcessRequest("cwd", "must be an absolute path")
+            # A limit of 0 would mean "no limit": every process gets both enforced.
+            if request.resources.cpu_millis < 1 or request.resources.memory_bytes < 1:
+                raise InvalidProcessRequest(
+                    "resources", "process work needs cpu_millis and memory_bytes above 0"
+                )
         else:
             assert isinstance(work, BuiltinWork)
             check_builtin(work.name, work.args)

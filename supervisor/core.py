@@ -28,6 +28,7 @@ from node.machine.ledger import ReservationRefused, ReservationRequest
 from node.machine.model import JOURNAL_RETRY_INTERVAL
 from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
 from supervisor.events import EventHub
+from supervisor.guests import GuestPolicy
 from supervisor.invocation import Invocation, utc_now
 from supervisor.lane_owner import LaneOwner, LaneWorkError
 from supervisor.lane_work import LaneExecutor, LaneWorkReply, LaneWorkRequest
@@ -78,8 +79,11 @@ class Supervisor:
         lane_work_deadline: float = 120.0,
         retain_ended: int = 1024,
         on_change: Callable[[], None] = lambda: None,
+        guests: GuestPolicy | None = None,
     ) -> None:
         self.machine = machine
+        # Tests of the supervisor's own logic run guests unconfined; the daemon confines.
+        self.guests = guests or GuestPolicy.unconfined(machine.journal.path.parent)
         self.tokens = tokens
         self.validator: LaneValidator = tokens.validator()
         self.events = events
@@ -139,7 +143,7 @@ class Supervisor:
             machine=self.machine,
             node_url=self.node_url,
             kill_grace=self.kill_grace,
-            background=self.background,
+            guests=self.guests,
         )
 
     def background(self, task: Callable[[], Awaitable[None]]) -> None:
@@ -383,8 +387,6 @@ class Supervisor:
             return
         await self.machine.release(inv.id)
         if inv.pid is not None:
-            with trio.move_on_after(self.kill_grace):
-                await inv.pid_recorded.wait()
             try:
                 await self.machine.process_ended(inv.id, inv.pid)
             except (OSError, JournalError, trio.TooSlowError) as exc:

@@ -51,7 +51,6 @@ class Invocation:
         self.stderr = OutputRing(OUTPUT_BYTES)
         self.admitted = trio.Event()  # set once admission succeeded or failed
         self.finished = trio.Event()  # set once released and terminal
-        self.pid_recorded = trio.Event()
 
     @property
     def id(self) -> str:

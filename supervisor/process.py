@@ -21,7 +21,7 @@ import os
 import re
 import resource
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,6 +38,7 @@ from node.machine.cgroups import (
 )
 from node.machine.procgroup import terminate_group
 from supervisor.output import OutputRing, pump
+from supervisor.sandbox import SandboxSpec, bwrap_argv
 
 __all__ = [
     "ENV_ALLOW_LIST",
@@ -69,11 +70,52 @@ ENV_ALLOW_LIST = (
     "LOGNAME",
     "TMPDIR",
 )
-# Set by the supervisor or able to widen what the child may touch.
+# Set by the supervisor, or able to change what runs (the loader, an interpreter's
+# start-up, a shell's init file) or which devices a runtime uses. Compared in
+# upper case: several runtimes read these names case-insensitively.
 RESERVED_ENV_NAMES = frozenset(
-    {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LD_PRELOAD", "LD_LIBRARY_PATH"}
+    {
+        "BASH_ENV",
+        "BASHOPTS",
+        "ENV",
+        "GCONV_PATH",
+        "GETCONF_DIR",
+        "GLIBC_TUNABLES",
+        "GPU_DEVICE_ORDINAL",
+        "HOSTALIASES",
+        "IFS",
+        "JAVA_TOOL_OPTIONS",
+        "_JAVA_OPTIONS",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "MALLOC_CHECK_",
+        "MALLOC_TRACE",
+        "NLSPATH",
+        "NODE_OPTIONS",
+        "OPENSSL_CONF",
+        "PERL5LIB",
+        "PERL5OPT",
+        "PERLLIB",
+        "PS4",
+        "RES_OPTIONS",
+        "RESOLV_HOST_CONF",
+        "RUBYLIB",
+        "RUBYOPT",
+        "SHELLOPTS",
+        "TMPDIR",
+    }
 )
-RESERVED_ENV_PREFIX = "LITEGRAPH_"
+RESERVED_ENV_PREFIXES = (
+    "LITEGRAPH_",
+    "LD_",  # LD_PRELOAD, LD_AUDIT, LD_LIBRARY_PATH, ...
+    "DYLD_",
+    "PYTHON",  # PYTHONPATH, PYTHONSTARTUP, PYTHONHOME, ...
+    "CUDA_",  # CUDA_VISIBLE_DEVICES, CUDA_MPS_PIPE_DIRECTORY, ...
+    "NVIDIA_",
+    "HIP_",
+    "ROCR_",
+    "HSA_",
+)
 DEVICE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 
 MAX_ENV_ENTRIES = 64
@@ -127,6 +169,10 @@ class ProcessSpec:
     cpu_only: bool = True
     # Unique per live invocation (use the invocation id): it names the cgroup.
     cgroup_name: str = "invocation"
+    # Run as this uid, with the gid of the same number and no supplementary groups.
+    uid: int | None = None
+    # Run inside this sandbox (bubblewrap); None runs the argv directly.
+    sandbox: SandboxSpec | None = None
 
 
 # -- validation --------------------------------------------------------------
@@ -146,6 +192,11 @@ def _check_text(field_name: str, value: object, limit: int) -> str:
     return value
 
 
+def is_reserved_env_name(name: str) -> bool:
+    upper = name.upper()
+    return upper in RESERVED_ENV_NAMES or upper.startswith(RESERVED_ENV_PREFIXES)
+
+
 def validate_env(env: Mapping[str, str]) -> None:
     """Refuse an invocation environment that is too big, malformed or reserved."""
     if len(env) > MAX_ENV_ENTRIES:
@@ -154,7 +205,7 @@ def validate_env(env: Mapping[str, str]) -> None:
         _check_text("env", name, MAX_ENV_ITEM_BYTES)
         if not _ENV_NAME_RE.fullmatch(name):
             raise InvalidProcessRequest(f"env.{name}", "not a valid variable name")
-        if name.startswith(RESERVED_ENV_PREFIX) or name in RESERVED_ENV_NAMES:
+        if is_reserved_env_name(name):
             raise InvalidProcessRequest(f"env.{name}", "reserved: set by the node only")
         _check_text(f"env.{name}", value, MAX_ENV_ITEM_BYTES)
 
@@ -200,6 +251,8 @@ def validate_spec(spec: ProcessSpec) -> None:
             )
     if not CGROUP_NAME_RE.fullmatch(spec.cgroup_name):
         raise InvalidProcessRequest("cgroup_name", "must match [A-Za-z0-9_][A-Za-z0-9_.-]*")
+    if spec.uid is not None and (spec.uid <= 0 or spec.uid == os.geteuid()):
+        raise InvalidProcessRequest("uid", "a guest never runs as root or as the daemon's user")
 
 
 def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[str, str]:
@@ -247,20 +300,45 @@ def _preexec(
     affinity: tuple[int, ...] | None,
     rlimit_as: int | None,
     join_cgroup: Callable[[], None] | None,
+    uid: int | None,
 ) -> Callable[[], None] | None:
-    if affinity is None and rlimit_as is None and join_cgroup is None:
+    if affinity is None and rlimit_as is None and join_cgroup is None and uid is None:
         return None
 
     def setup() -> None:
-        # Runs in the forked child before exec: syscalls only.
+        # Runs in the forked child before exec: syscalls only. Joining the cgroup
+        # needs the daemon's rights, so the uid is dropped last.
         if join_cgroup is not None:
             join_cgroup()
         if rlimit_as is not None:
             resource.setrlimit(resource.RLIMIT_AS, (rlimit_as, rlimit_as))
         if affinity is not None:
             os.sched_setaffinity(0, affinity)
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
 
     return setup
+
+
+# The child blocks on its stdin (a pipe) until the daemon has journaled its start,
+# so nothing runs that a crash could leave unrecorded. Outside a sandbox a shell
+# waits and then runs the argv with stdin from /dev/null; bwrap does the same
+# with --block-fd. A closed pipe without the byte means "never run".
+_GATE_SHELL = (
+    "/bin/sh",
+    "-c",
+    'read -r _ || exit 126; exec "$@" </dev/null',
+    "litegraph-gate",
+)
+
+
+def _gated_argv(spec: ProcessSpec) -> list[str]:
+    if spec.sandbox is None:
+        return [*_GATE_SHELL, *spec.argv]
+    # bwrap reads one byte from fd 0 before it runs the guest.
+    return bwrap_argv(spec.sandbox, spec.argv, block_fd=0)
 
 
 def _memory_plan(
@@ -293,16 +371,18 @@ async def run_process(
     *,
     stdout: OutputRing,
     stderr: OutputRing,
-    on_started: Callable[[int, float], None],
+    on_started: Callable[[int, float], Awaitable[None]],
     kill_grace: float = 5.0,
     cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
     parent_env: Mapping[str, str] | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
-    `on_started(pid, create_time)` is called right after spawn, before any
-    output is read; (pid, create_time) identifies the process even after pid
-    reuse. `cgroups=None` never uses cgroups; `parent_env` defaults to os.environ.
+    `on_started(pid, create_time)` is awaited right after spawn and before the
+    argv runs (the child waits for it); (pid, create_time) identifies the
+    process even after pid reuse. If it raises, the child is killed without
+    ever running the argv. `cgroups=None` never uses cgroups; `parent_env`
+    defaults to os.environ.
     """
     validate_spec(spec)
     env = build_environment(spec, os.environ if parent_env is None else parent_env)
@@ -311,22 +391,28 @@ async def run_process(
         cgroups = found if isinstance(found, Cgroups) else None
     cgroup, rlimit_as = _memory_plan(spec, cgroups)
     join = cgroup.preexec_join() if cgroup is not None else None
+    gate_read, gate_write = os.pipe()
     try:
         proc = await trio.lowlevel.open_process(
-            list(spec.argv),
-            stdin=subprocess.DEVNULL,
+            _gated_argv(spec),
+            stdin=gate_read,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
-            cwd=spec.cwd,
+            # In a sandbox the guest's folder is bound by bwrap; the guest's uid
+            # may not be able to enter the daemon's own working directory.
+            cwd="/" if spec.sandbox is not None else spec.cwd,
             start_new_session=True,
-            preexec_fn=_preexec(spec.cpu_affinity, rlimit_as, join),
+            preexec_fn=_preexec(spec.cpu_affinity, rlimit_as, join, spec.uid),
         )
     except BaseException:
+        os.close(gate_write)
         if cgroup is not None:
             with trio.move_on_after(10, shield=True):
                 await cgroup.remove()
         raise
+    finally:
+        os.close(gate_read)
     assert proc.stdout is not None and proc.stderr is not None
     pgid = proc.pid  # start_new_session: the child leads its own group
     pidfd = _open_pidfd(proc.pid)
@@ -344,8 +430,16 @@ async def run_process(
                 await cgroup.remove()
 
     try:
-        # Not reaped yet, so psutil can read it even if it already exited.
-        on_started(proc.pid, psutil.Process(proc.pid).create_time())
+        try:
+            # Not reaped yet, so psutil can read it even if it already exited.
+            await on_started(proc.pid, psutil.Process(proc.pid).create_time())
+            os.write(gate_write, b"\n")
+        except BaseException:
+            # Kill before the pipe closes: a closed gate must never let the argv run.
+            await end_group()
+            raise
+        finally:
+            os.close(gate_write)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pump, proc.stdout, stdout)
             nursery.start_soon(pump, proc.stderr, stderr)

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
-
-import trio
 
 from node.machine import Machine
-from node.machine.journal import JournalError
 from node.machine.lanes import LaneKind
 from supervisor.builtins import BUILTINS
+from supervisor.guests import GuestPolicy, GuestSession, guest_session
 from supervisor.invocation import Invocation
 from supervisor.process import ProcessSpec, run_process
 from supervisor.wire import BuiltinWork, ProcessWork
@@ -26,32 +23,28 @@ class RunEnv:
     machine: Machine
     node_url: str
     kill_grace: float
-    # Starts a task in the supervisor's nursery.
-    background: Callable[[Callable[[], Awaitable[None]]], None]
+    guests: GuestPolicy
 
 
 log = logging.getLogger(__name__)
 
 
-def process_spec(sup: RunEnv, inv: Invocation, work: ProcessWork) -> ProcessSpec:
+def process_spec(inv: Invocation, work: ProcessWork, guest: GuestSession) -> ProcessSpec:
     reservation = inv.reservation
     assert reservation is not None
-    lane_ids = [g.lane_id for g in reservation.lanes]
     gpu = any(g.kind is not LaneKind.CPU for g in reservation.lanes)
+    resources = inv.request.resources
     return ProcessSpec(
         argv=tuple(work.argv),
         env=work.env,
         cwd=work.cwd,
-        extra_env={
-            # One token per lane, in the order of LITEGRAPH_LANE_IDS.
-            "LITEGRAPH_CAPABILITY_TOKEN": ",".join(inv.tokens[lane] for lane in lane_ids),
-            "LITEGRAPH_LANE_IDS": ",".join(lane_ids),
-            "LITEGRAPH_NODE_URL": sup.node_url,
-        },
+        extra_env=guest.env,
         visible_devices=reservation.visible_devices,
-        memory_limit_bytes=inv.request.resources.memory_bytes or None,
+        memory_limit_bytes=resources.memory_bytes,
         cpu_only=not gpu,
         cgroup_name=inv.id,
+        uid=guest.uid,
+        sandbox=guest.sandbox,
     )
 
 
@@ -60,26 +53,30 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
     if isinstance(work, BuiltinWork):
         return await BUILTINS[work.name](work.args, inv.stdout)
     assert isinstance(work, ProcessWork)
+    reservation = inv.reservation
+    assert reservation is not None
+    ledger = sup.machine.ledger
+    lanes = [lane for g in reservation.lanes if (lane := ledger.lane(g.lane_id)) is not None]
 
-    def started(pid: int, start_time: float) -> None:
+    async def started(pid: int, start_time: float) -> None:
+        # Awaited before the guest's argv runs: a crash from here on finds the
+        # record, and a failed write means the argv never runs.
+        await sup.machine.process_started(inv.id, pid, start_time)
         inv.pid = pid
 
-        async def record() -> None:
-            try:
-                await sup.machine.process_started(inv.id, pid, start_time)
-            except (OSError, JournalError, trio.TooSlowError) as exc:
-                # Runs in the supervisor's nursery: raising here would end every invocation.
-                log.error("journal of the start of %s (pid %d) failed: %s", inv.id, pid, exc)
-            finally:
-                inv.pid_recorded.set()
-
-        # Journaled beside the run; cleanup waits for it before journaling the end.
-        sup.background(record)
-
-    return await run_process(
-        process_spec(sup, inv, work),
-        stdout=inv.stdout,
-        stderr=inv.stderr,
-        on_started=started,
-        kill_grace=sup.kill_grace,
-    )
+    with guest_session(
+        sup.guests,
+        isolation=reservation.isolation,
+        lanes=lanes,
+        tokens=[inv.tokens[g.lane_id] for g in reservation.lanes],
+        inventory=sup.machine.inventory,
+        cwd=work.cwd,
+        node_url=sup.node_url,
+    ) as guest:
+        return await run_process(
+            process_spec(inv, work, guest),
+            stdout=inv.stdout,
+            stderr=inv.stderr,
+            on_started=started,
+            kill_grace=sup.kill_grace,
+        )

@@ -105,6 +105,7 @@ class _Sync:
             compute_capability=f"{cc[0]}.{cc[1]}" if cc is not None else None,
             mig_enabled=mig_enabled,
             mig_instances=self.mig_instances(handle) if mig_enabled else (),
+            minor_number=self.opt(nv.nvmlDeviceGetMinorNumber, handle),
         )
 
     def mig_instances(self, handle: Any) -> tuple[MigInstance, ...]:

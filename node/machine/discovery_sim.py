@@ -250,7 +250,7 @@ class SimDeviceSource:
         await trio.lowlevel.checkpoint()
 
 
-def _gpu(spec: SimGpu) -> GpuDevice:
+def _gpu(spec: SimGpu, index: int) -> GpuDevice:
     total = parse_size(spec.memory)
     return GpuDevice(
         uuid=spec.uuid,
@@ -265,6 +265,7 @@ def _gpu(spec: SimGpu) -> GpuDevice:
             MigInstance(uuid=m.uuid, name=m.name, memory_total_bytes=parse_size(m.memory))
             for m in spec.mig
         ),
+        minor_number=index,
     )
 
 
@@ -292,7 +293,7 @@ async def discover_sim(spec: SimSpec, *, host: tuple[CpuInfo, MemoryInfo]) -> In
         backend="sim",
         cpu=cpu,
         memory=memory,
-        gpus=tuple(_gpu(g) for g in spec.gpus),
+        gpus=tuple(_gpu(g, index) for index, g in enumerate(spec.gpus)),
         driver_version=spec.driver_version,
         cuda_version=spec.cuda_version,
         probes=tuple(probes),

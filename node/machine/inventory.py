@@ -70,6 +70,8 @@ class GpuDevice(msgspec.Struct, frozen=True, kw_only=True):
     compute_capability: str | None = None
     mig_enabled: bool = False
     mig_instances: tuple[MigInstance, ...] = ()
+    # N of the device node /dev/nvidiaN (NVML's minor number; the index when simulated).
+    minor_number: int | None = None
 
 
 class ProbeStatus(enum.StrEnum):

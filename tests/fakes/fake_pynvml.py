@@ -71,6 +71,7 @@ class FakeGpu:
     memory_used: int = 1 << 30
     pci_bus_id: str = "00000000:01:00.0"
     compute_capability: tuple[int, int] = (8, 0)
+    minor: int = 0
     mig_enabled: bool = False
     migs: list[FakeMig] = dataclasses.field(default_factory=list)
     mig_slots: int = 7
@@ -228,6 +229,10 @@ class FakeNvml:
     def nvmlDeviceGetCudaComputeCapability(self, handle: FakeGpu) -> tuple[int, int]:
         self._enter("nvmlDeviceGetCudaComputeCapability", handle)
         return handle.compute_capability
+
+    def nvmlDeviceGetMinorNumber(self, handle: FakeGpu) -> int:
+        self._enter("nvmlDeviceGetMinorNumber", handle)
+        return handle.minor
 
     def nvmlDeviceGetMigMode(self, handle: FakeGpu) -> tuple[int, int]:
         self._enter("nvmlDeviceGetMigMode", handle)

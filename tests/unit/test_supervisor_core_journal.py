@@ -9,7 +9,9 @@ import pytest
 import trio
 import trio.testing
 
+from node.machine import Machine
 from node.machine.health import Signal
+from node.machine.journal import JournalError
 from node.machine.lanes import Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
@@ -139,26 +141,58 @@ async def test_a_device_fault_while_admission_is_journaled_still_cancels_the_wor
         assert len(rig.machine.ledger) == 0
 
 
-async def test_journal_failures_around_a_process_never_take_the_supervisor_down(
-    tmp_path: Path,
-) -> None:
-    async with open_rig(tmp_path, machine_cls=FaultyJournalMachine) as rig:
-        m = machine(rig)
-        first = await rig.sup.submit(process("p1", *TREE))
-        m.fail = True  # process_started cannot be journaled
-        sid = await tree_pid(rig, "p1")
-        try:
-            status = await rig.sup.cancel("p1")  # nor the release and process end
-            assert (status.state, status.reason) == (S.cancelled, "cancel_requested")
-            assert session_members(sid) == []
-            assert len(rig.machine.ledger) == 0
-            rig.assert_revoked(first.tokens)
-        finally:
-            kill_leftovers(sid)
-        m.fail = False
+class StartGateMachine(Machine):
+    """Holds the journaling of a process start until the test opens the gate, or fails it."""
+
+    start_gate = trio.Event()
+    starts_waiting = 0
+    fail_start = False
+
+    async def process_started(self, reservation_id: str, pid: int, start_time: float) -> None:
+        type(self).starts_waiting += 1
+        await self.start_gate.wait()
+        if self.fail_start:
+            raise JournalError("injected: the start record cannot be written")
+        await super().process_started(reservation_id, pid, start_time)
+
+
+async def test_a_process_whose_start_cannot_be_journaled_never_runs(tmp_path: Path) -> None:
+    # A process a crash could leave unrecorded must not run: its argv waits for the record.
+    marker = tmp_path / "ran"
+    StartGateMachine.start_gate = gate = trio.Event()
+    gate.set()
+    StartGateMachine.fail_start = True
+    async with open_rig(tmp_path, machine_cls=StartGateMachine) as rig:
+        first = await rig.sup.submit(process("p1", "sh", "-c", f"touch {marker}"))
+        assert await rig.wait_terminal("p1") is S.failed
+        assert "JournalError" in (rig.sup.get("p1").reason or "")
+        assert not marker.exists()
+        assert len(rig.machine.ledger) == 0
+        rig.assert_revoked(first.tokens)
+        StartGateMachine.fail_start = False
         second = await rig.sup.submit(process("p2", "true"))
         assert await rig.wait_terminal("p2") is S.succeeded
         rig.assert_revoked(second.tokens)
+
+
+async def test_a_process_runs_only_once_its_start_is_durable(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    StartGateMachine.start_gate = gate = trio.Event()
+    StartGateMachine.starts_waiting, StartGateMachine.fail_start = 0, False
+    async with open_rig(tmp_path, machine_cls=StartGateMachine) as rig:
+        await rig.sup.submit(process("p1", "sh", "-c", f"touch {marker}; sleep 60"))
+        with trio.fail_after(10):
+            while StartGateMachine.starts_waiting == 0:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        await trio.sleep(0.3)  # time enough for an ungated child to run
+        assert not marker.exists()
+        assert not rig.machine.journal.processes()
+        gate.set()
+        with trio.fail_after(10):
+            while not marker.exists():  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert [p.reservation_id for p in rig.machine.journal.processes().values()] == ["p1"]
+        await rig.sup.cancel("p1")
 
 
 async def test_a_journal_failure_at_process_end_is_survived(tmp_path: Path) -> None:

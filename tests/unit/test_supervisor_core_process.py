@@ -33,8 +33,10 @@ S = InvocationState
 ENV_PROBE = (
     "sh",
     "-c",
-    'printf "%s|%s|%s|%s" "${CUDA_VISIBLE_DEVICES-unset}" "$LITEGRAPH_LANE_IDS" '
-    '"$LITEGRAPH_NODE_URL" "$LITEGRAPH_CAPABILITY_TOKEN"',
+    # Tokens come from a file, one line per lane; never from the environment.
+    'printf "%s|%s|%s|%s|%s" "${CUDA_VISIBLE_DEVICES-unset}" "$LITEGRAPH_LANE_IDS" '
+    '"$LITEGRAPH_NODE_URL" "$(paste -sd, "$LITEGRAPH_CAPABILITY_TOKEN_FILE")" '
+    '"${LITEGRAPH_CAPABILITY_TOKEN-unset}"',
 )
 
 
@@ -76,10 +78,12 @@ async def test_the_child_sees_its_token_lanes_url_and_only_its_devices(
     )
     response = await rig.sup.submit(request)
     assert await rig.wait_terminal("env") is S.succeeded
-    devices, lanes, url, token = rig.sup.get("env").stdout_tail.split("|")
+    devices, lanes, url, token, env_token = rig.sup.get("env").stdout_tail.split("|")
     assert lanes == ",".join(g.lane_id for g in response.lanes)
     assert token == ",".join(response.tokens[g.lane_id] for g in response.lanes)
-    assert url == "http://127.0.0.1:7777"
+    assert env_token == "unset"
+    # A sandbox guest reaches the node through its Unix socket, never the host network.
+    assert url == ("" if isolation is Isolation.SANDBOX else "http://127.0.0.1:7777")
     if visible == "MIG-":
         lane = rig.machine.ledger.lane(response.lanes[0].lane_id)
         assert lane is not None and lane.visible_uuid is not None

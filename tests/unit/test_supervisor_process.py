@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
@@ -48,7 +48,7 @@ class Run:
     def pid(self) -> int:
         return self.started[0][0]
 
-    def on_started(self, pid: int, create_time: float) -> None:
+    async def on_started(self, pid: int, create_time: float) -> None:
         self.started.append((pid, create_time))
 
     async def __call__(
@@ -57,7 +57,7 @@ class Run:
         *,
         cgroups: Cgroups | None = None,
         parent_env: Mapping[str, str] | None = None,
-        on_started: Callable[[int, float], None] | None = None,
+        on_started: Callable[[int, float], Awaitable[None]] | None = None,
     ) -> int:
         return await run_process(
             spec,
@@ -126,8 +126,8 @@ async def test_on_started_gets_the_real_pid_and_create_time() -> None:
     run = Run()
     seen: list[float] = []
 
-    def on_started(pid: int, create_time: float) -> None:
-        run.on_started(pid, create_time)
+    async def on_started(pid: int, create_time: float) -> None:
+        await run.on_started(pid, create_time)
         seen.append(psutil.Process(pid).create_time())
 
     assert await run(spec("sh", "-c", "echo $$"), on_started=on_started) == 0
@@ -140,8 +140,8 @@ async def test_on_started_gets_the_real_pid_and_create_time() -> None:
 async def test_an_error_in_on_started_kills_the_child_and_propagates() -> None:
     run = Run()
 
-    def on_started(pid: int, create_time: float) -> None:
-        run.on_started(pid, create_time)
+    async def on_started(pid: int, create_time: float) -> None:
+        await run.on_started(pid, create_time)
         raise RuntimeError("journal write failed")
 
     with pytest.raises(RuntimeError, match="journal write failed"):
@@ -238,6 +238,20 @@ async def test_run_process_refuses_a_reserved_variable_before_spawning() -> None
         {"NVIDIA_VISIBLE_DEVICES": "all"},
         {"LD_PRELOAD": "/tmp/x.so"},
         {"LD_LIBRARY_PATH": "/tmp"},
+        # What changes what runs: the loader, interpreters' start-up, device selection;
+        # case variants too (some runtimes read these names case-insensitively).
+        {"LD_AUDIT": "/tmp/a.so"},
+        {"ld_preload": "/tmp/x.so"},
+        {"GCONV_PATH": "/tmp"},
+        {"PYTHONPATH": "/tmp"},
+        {"PythonStartup": "/tmp/s.py"},
+        {"HIP_VISIBLE_DEVICES": "0"},
+        {"cuda_visible_devices": "0"},
+        {"ROCR_VISIBLE_DEVICES": "0"},
+        {"GLIBC_TUNABLES": "x"},
+        {"BASH_ENV": "/tmp/x"},
+        {"NODE_OPTIONS": "--require /tmp/x.js"},
+        {"PERL5OPT": "-d"},
         {f"V{i}": "x" for i in range(65)},
         {"A" * 4097: "x"},
         {"A": "x" * 4097},
@@ -256,7 +270,7 @@ def test_validate_env_refuses(env: dict[str, str]) -> None:
 
 def test_validate_env_accepts_the_limits() -> None:
     validate_env({f"V{i}": "x" for i in range(64)})
-    validate_env({"A" * 4096: "x" * 4096, "_lower_ok": "", "cuda_visible_devices": "not it"})
+    validate_env({"A" * 4096: "x" * 4096, "_lower_ok": "", "MY_CUDA_HOME": "/opt/cuda"})
 
 
 @pytest.mark.parametrize(
@@ -363,8 +377,8 @@ async def test_a_process_that_left_the_group_cannot_hold_the_run_open(tmp_path: 
 async def test_keyboard_interrupt_ends_the_group_and_propagates() -> None:
     run = Run()
 
-    def on_started(pid: int, create_time: float) -> None:
-        run.on_started(pid, create_time)
+    async def on_started(pid: int, create_time: float) -> None:
+        await run.on_started(pid, create_time)
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -451,8 +465,8 @@ async def test_memory_limit_goes_to_a_cgroup_when_one_can_be_made(tmp_path: Path
     written: list[str] = []
     run = Run()
 
-    def on_started(pid: int, create_time: float) -> None:
-        run.on_started(pid, create_time)
+    async def on_started(pid: int, create_time: float) -> None:
+        await run.on_started(pid, create_time)
         written.append((expected / "memory.max").read_text())
 
     process_spec = spec(*PRINT_RLIMIT, memory_limit_bytes=LIMIT, cpu_only=True, cgroup_name="inv-1")
@@ -476,7 +490,7 @@ async def test_the_cgroup_is_removed_when_spawning_fails(tmp_path: Path) -> None
     cgroups, _ = _fake_cgroups(tmp_path)
     run = Run()
     with pytest.raises(FileNotFoundError):
-        await run(spec("/nonexistent/binary", memory_limit_bytes=LIMIT), cgroups=cgroups)
+        await run(spec("true", cwd="/nonexistent/dir", memory_limit_bytes=LIMIT), cgroups=cgroups)
     assert cgroups.leftovers() == []
 
 

@@ -1,0 +1,160 @@
+"""How guest processes are confined on this node, decided once at start-up.
+
+`GuestPolicy` says whether guests run in a sandbox (bubblewrap), under which
+uids, which device nodes exist and where the node's Unix socket is; `prepare`
+turns one invocation's grant into what `run_process` needs and `GuestSession`
+gives it all back (uid, token file) once the invocation's processes are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from node.machine.devnodes import lane_device_nodes
+from node.machine.inventory import Inventory
+from node.machine.lanes import Isolation, Lane
+from supervisor.identity import UidPool
+from supervisor.process import InvalidProcessRequest
+from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
+
+__all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session"]
+
+log = logging.getLogger(__name__)
+
+
+class GuestsRefused(RuntimeError):
+    """This node cannot confine guests and the operator did not allow unconfined ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GuestPolicy:
+    # The sandbox tool; None runs guests unconfined (only when the operator allowed it).
+    bwrap: Path | None
+    # Each running guest gets its own uid from here; None: the daemon cannot switch users.
+    uids: UidPool | None
+    # Never reachable from a guest (keys, journal; the auth file among `hidden`).
+    state_dir: Path
+    # Further secrets (the auth file): masked wherever a guest's binds would reach them.
+    hidden: tuple[Path, ...] = ()
+    dev_root: Path = Path("/dev")
+    # The node API's Unix socket, bound into every sandbox.
+    node_socket: Path | None = None
+    # Why process work is refused here (no sandbox tool and unconfined not allowed).
+    refusal: str | None = None
+
+    @classmethod
+    def unconfined(cls, state_dir: Path) -> GuestPolicy:
+        """No sandbox and no uid switch: unit tests of the supervisor's own logic."""
+        return cls(bwrap=None, uids=None, state_dir=state_dir)
+
+    def check_cwd(self, cwd: str | None) -> None:
+        """A guest never runs inside the state dir (a folder above it is masked instead)."""
+        if cwd is not None and Path(os.path.realpath(cwd)).is_relative_to(
+            os.path.realpath(self.state_dir)
+        ):
+            raise InvalidProcessRequest("cwd", "inside the node's state folder")
+
+    def secrets(self) -> tuple[Path, ...]:
+        return tuple(Path(os.path.realpath(p)) for p in (self.state_dir, *self.hidden))
+
+
+@dataclasses.dataclass
+class GuestSession:
+    """What one guest holds while it runs: its uid, its token file, its sandbox."""
+
+    uid: int | None
+    sandbox: SandboxSpec | None
+    env: dict[str, str]
+
+
+def _token_text(tokens: Sequence[str]) -> bytes:
+    return "".join(f"{token}\n" for token in tokens).encode("ascii")
+
+
+@contextlib.contextmanager
+def _token_file(tokens: Sequence[str], uid: int | None) -> Iterator[Path]:
+    """A file only `uid` can read (0400 in a 0700 folder), removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="litegraph-guest-"))
+    try:
+        path = folder / "tokens"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+        try:
+            os.write(fd, _token_text(tokens))
+        finally:
+            os.close(fd)
+        if uid is not None:
+            os.chown(path, uid, uid)
+            os.chown(folder, uid, uid)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def guest_session(
+    policy: GuestPolicy,
+    *,
+    isolation: Isolation,
+    lanes: Sequence[Lane],
+    tokens: Sequence[str],
+    inventory: Inventory,
+    cwd: str | None,
+    node_url: str,
+) -> Iterator[GuestSession]:
+    """Allocate a uid and a token file for one guest; give both back on exit."""
+    if policy.refusal is not None:
+        raise GuestsRefused(policy.refusal)
+    policy.check_cwd(cwd)
+    uid = policy.uids.allocate() if policy.uids is not None else None
+    try:
+        with _token_file(tokens, uid) as token_path:
+            yield _session(policy, isolation, lanes, inventory, cwd, node_url, uid, token_path)
+    finally:
+        if uid is not None and policy.uids is not None:
+            policy.uids.release(uid)
+
+
+def _session(
+    policy: GuestPolicy,
+    isolation: Isolation,
+    lanes: Sequence[Lane],
+    inventory: Inventory,
+    cwd: str | None,
+    node_url: str,
+    uid: int | None,
+    token_path: Path,
+) -> GuestSession:
+    sandboxed = isolation is Isolation.SANDBOX
+    env: dict[str, str] = {"LITEGRAPH_LANE_IDS": ",".join(lane.lane_id for lane in lanes)}
+    if not sandboxed and node_url:
+        env["LITEGRAPH_NODE_URL"] = node_url  # a sandbox has no host network
+    if policy.bwrap is None:
+        env["LITEGRAPH_CAPABILITY_TOKEN_FILE"] = str(token_path)
+        return GuestSession(uid=uid, sandbox=None, env=env)
+    nodes: dict[Path, None] = {}
+    if not sandboxed:  # a sandbox guest gets no device node at all
+        for lane in lanes:
+            nodes.update(dict.fromkeys(lane_device_nodes(inventory, lane, policy.dev_root)))
+    env["LITEGRAPH_CAPABILITY_TOKEN_FILE"] = TOKEN_FILE
+    env["HOME"] = cwd or GUEST_TMP
+    env["TMPDIR"] = GUEST_TMP
+    if policy.node_socket is not None:
+        env["LITEGRAPH_NODE_SOCKET"] = NODE_SOCKET
+    sandbox = SandboxSpec(
+        bwrap=policy.bwrap,
+        isolate_network=sandboxed,
+        device_nodes=tuple(nodes),
+        dev_root=policy.dev_root,
+        token_file=token_path,
+        node_socket=policy.node_socket,
+        cwd=cwd,
+        masked=policy.secrets(),
+    )
+    return GuestSession(uid=uid, sandbox=sandbox, env=env)

