@@ -1,0 +1,119 @@
+"""The node API on a Unix socket, for guests: every request carries its caller's uid.
+
+Guests reach the node through this socket (a `sandbox` guest has no other
+way: its network namespace holds only loopback). On accept the kernel's
+SO_PEERCRED gives the connecting process's pid, uid and gid; they go into
+each request's ASGI scope under PEER_SCOPE_KEY, so the lane-work route can
+bind a capability token to the uid of the invocation it was minted for. The
+connection itself is served by Hypercorn's own connection handler, as on TCP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hypercorn.app_wrappers
+import hypercorn.trio.tcp_server
+import hypercorn.trio.worker_context
+import hypercorn.typing
+import trio
+
+from api.server import hypercorn_config
+from api.settings import HttpSettings
+
+__all__ = ["PEER_SCOPE_KEY", "PeerCredentials", "bind_unix_socket", "peer_of", "serve_unix"]
+
+log = logging.getLogger(__name__)
+
+PEER_SCOPE_KEY = "litegraph.peer"
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_of(scope: MutableMapping[str, Any]) -> PeerCredentials | None:
+    """The Unix-socket caller of this request; None over TCP."""
+    peer = scope.get(PEER_SCOPE_KEY)
+    return peer if isinstance(peer, PeerCredentials) else None
+
+
+def _credentials(sock: trio.socket.SocketType) -> PeerCredentials:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return PeerCredentials(*_UCRED.unpack(raw))
+
+
+class _WithPeer:
+    """The app, with the connection's peer credentials in every request's scope."""
+
+    def __init__(self, app: ASGIApp, peer: PeerCredentials) -> None:
+        self._app = app
+        self._peer = peer
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        await self._app({**scope, PEER_SCOPE_KEY: self._peer}, receive, send)
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """Listen at `path` (replacing a stale socket, never another kind of file), mode 0666:
+    any local uid may connect; what it may do is decided by its token and its uid."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket")
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        os.chmod(path, 0o666)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve_unix(
+    app: ASGIApp,
+    http: HttpSettings,
+    sock: socket.socket,
+    shutdown: trio.Event,
+) -> None:
+    """Serve `app` on the listening Unix socket until `shutdown` is set."""
+    config = hypercorn_config(http)
+    context = hypercorn.trio.worker_context.WorkerContext(None)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+    async def connection(stream: trio.SocketStream) -> None:
+        try:
+            peer = _credentials(stream.socket)
+        except OSError:
+            await trio.aclose_forcefully(stream)
+            return
+        wrapped = hypercorn.app_wrappers.ASGIWrapper(_WithPeer(app, peer))  # type: ignore[arg-type]
+        state = hypercorn.typing.ConnectionState({})
+        server = hypercorn.trio.tcp_server.TCPServer(wrapped, config, context, state, stream)  # type: ignore[arg-type]
+        try:
+            await server.run()
+        except Exception:
+            # One connection's fault ends that connection, never the server.
+            log.exception("unix socket connection failed; closed it")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, connection, [listener])
+        await shutdown.wait()
+        nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        nursery.cancel_scope.cancel()
