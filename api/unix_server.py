@@ -19,14 +19,16 @@ import struct
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hypercorn.app_wrappers
 import hypercorn.trio.tcp_server
 import hypercorn.trio.worker_context
 import hypercorn.typing
 import trio
+from quart_trio import QuartTrio
 
+from api.asgi_close import ShieldFinalSend
 from api.server import hypercorn_config
 from api.settings import HttpSettings
 
@@ -78,7 +80,7 @@ def bind_unix_socket(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(os.fspath(path))
-        os.chmod(path, 0o666)
+        os.chmod(path, 0o666)  # noqa: S103 - who connects is decided by token and uid
         sock.listen(128)
     except BaseException:
         sock.close()
@@ -87,7 +89,7 @@ def bind_unix_socket(path: Path) -> socket.socket:
 
 
 async def serve_unix(
-    app: ASGIApp,
+    app: QuartTrio,
     http: HttpSettings,
     sock: socket.socket,
     shutdown: trio.Event,
@@ -103,7 +105,8 @@ async def serve_unix(
         except OSError:
             await trio.aclose_forcefully(stream)
             return
-        wrapped = hypercorn.app_wrappers.ASGIWrapper(_WithPeer(app, peer))  # type: ignore[arg-type]
+        with_peer = _WithPeer(cast(ASGIApp, ShieldFinalSend(app)), peer)
+        wrapped = hypercorn.app_wrappers.ASGIWrapper(with_peer)  # type: ignore[arg-type]
         state = hypercorn.typing.ConnectionState({})
         server = hypercorn.trio.tcp_server.TCPServer(wrapped, config, context, state, stream)  # type: ignore[arg-type]
         try:

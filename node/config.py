@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from node.flags import FlagError
+from supervisor.identity import UidRangeError, parse_uid_range
 
 __all__ = ["Config", "DeviceMode", "LogFormat", "LogLevel", "build_config", "parse_size"]
 
@@ -85,6 +86,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     http_keep_alive: float
     auth_file: str
     metrics_auth: bool
+    sandbox_tool: str
+    allow_unconfined_guests: bool
+    guest_uids: str
+    guest_run_dir: str
+    guest_pids_max: int
+    dev_root: str
     log_level: LogLevel
     log_format: LogFormat
 
@@ -168,6 +175,24 @@ def _ttl(value: float) -> float:
     return value
 
 
+def _uid_range(text: str) -> str:
+    try:
+        parse_uid_range(text)
+    except UidRangeError as exc:
+        raise ValueError(str(exc)) from None
+    return text
+
+
+def _absolute(text: str) -> str:
+    if not text.startswith("/"):
+        raise ValueError("must be an absolute path")
+    return text
+
+
+def _absolute_or_empty(text: str) -> str:
+    return _absolute(text) if text else text
+
+
 _CHECKS: dict[str, Any] = {
     "listen": lambda v: split_listen(v) and v,
     "node_id": _node_id,
@@ -187,6 +212,10 @@ _CHECKS: dict[str, Any] = {
     "http_read_timeout": _positive,
     "http_body_timeout": _positive,
     "http_keep_alive": _positive,
+    "guest_uids": _uid_range,
+    "guest_run_dir": _absolute_or_empty,
+    "guest_pids_max": lambda v: int(_positive(v)),
+    "dev_root": _absolute,
     "log_level": LogLevel,
     "log_format": LogFormat,
 }

@@ -28,9 +28,11 @@ from api.server import serve_http
 from api.settings import HttpSettings
 from api.snapshot_cache import SnapshotCache
 from api.telemetry import TelemetryPusher
+from api.unix_server import serve_unix
 from capabilities import CapabilityError, KeyRing, TokenService
 from capabilities.securefile import SecretFileError
 from node.config import Config, DeviceMode
+from node.guests import GuestSetup, GuestSetupError, open_guest_setup
 from node.machine import Machine
 from node.machine.cgroups import CgroupsUnavailable, system_cgroups
 from node.machine.health import HealthTransition
@@ -157,7 +159,7 @@ class Daemon:
             prepare_state_dir(pathlib.Path(self.config.state_dir))
         except StateDirError as exc:
             raise StartupError(str(exc)) from exc
-        app = create_app(self.context)
+        self._app = app = create_app(self.context)
         async with trio.open_nursery() as outer:
             if self._handle_signals and threading.current_thread() is threading.main_thread():
                 await outer.start(self._watch_signals)
@@ -208,7 +210,9 @@ class Daemon:
                 self.readiness.block("devices", reason)
             else:
                 self.readiness.note("devices", reason)
-        snapshots = SnapshotCache(lambda changes: machine.snapshot(sequence=changes))
+        guests = await self._open_guests(state_dir)
+        notes = tuple(guests.notes)
+        snapshots = SnapshotCache(lambda changes: machine.snapshot(sequence=changes, notes=notes))
         events: EventHub[NodeEvent] = EventHub(EVENT_SUBSCRIBERS, EVENT_BUFFER)
         tokens = TokenService(
             machine.node_id, keyring, ttl=config.token_ttl, max_live_tokens=LIVE_TOKENS
@@ -223,8 +227,11 @@ class Daemon:
             max_running=config.max_running,
             node_url=self.url,
             on_change=snapshots.mark_changed,
+            guests=guests.policy,
         )
         await nursery.start(supervisor.run)
+        if guests.socket is not None:
+            nursery.start_soon(serve_unix, self._app, self.context.http, guests.socket, self.stop)
         self.context.snapshots = snapshots
         self.context.events = events
         self.context.supervisor = supervisor
@@ -248,6 +255,19 @@ class Daemon:
                 node_id=machine.node_id,
             )
             await nursery.start(self.telemetry.run)
+
+    async def _open_guests(self, state_dir: pathlib.Path) -> GuestSetup:
+        try:
+            guests = await open_guest_setup(
+                self.config, dev=self.dev, state_dir=state_dir, auth_path=self.auth_path
+            )
+        except GuestSetupError as exc:
+            raise StartupError(str(exc)) from exc
+        for note in guests.notes:
+            self.readiness.note(f"guests:{len(self.readiness.notes())}", note)
+        if guests.blocked is not None:
+            self.readiness.block("guests", guests.blocked)
+        return guests
 
     async def _open_machine(self, state_dir: pathlib.Path) -> Machine:
         config = self.config

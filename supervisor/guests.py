@@ -46,6 +46,8 @@ class GuestPolicy:
     dev_root: Path = Path("/dev")
     # The node API's Unix socket, bound into every sandbox.
     node_socket: Path | None = None
+    # Where guests' token folders are made (enterable by guests); None: the system temp dir.
+    run_dir: Path | None = None
     # Why process work is refused here (no sandbox tool and unconfined not allowed).
     refusal: str | None = None
 
@@ -79,9 +81,9 @@ def _token_text(tokens: Sequence[str]) -> bytes:
 
 
 @contextlib.contextmanager
-def _token_file(tokens: Sequence[str], uid: int | None) -> Iterator[Path]:
+def _token_file(tokens: Sequence[str], uid: int | None, where: Path | None) -> Iterator[Path]:
     """A file only `uid` can read (0400 in a 0700 folder), removed afterwards."""
-    folder = Path(tempfile.mkdtemp(prefix="litegraph-guest-"))
+    folder = Path(tempfile.mkdtemp(prefix="guest-", dir=where))
     try:
         path = folder / "tokens"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
@@ -114,7 +116,7 @@ def guest_session(
     policy.check_cwd(cwd)
     uid = policy.uids.allocate() if policy.uids is not None else None
     try:
-        with _token_file(tokens, uid) as token_path:
+        with _token_file(tokens, uid, policy.run_dir) as token_path:
             yield _session(policy, isolation, lanes, inventory, cwd, node_url, uid, token_path)
     finally:
         if uid is not None and policy.uids is not None:

@@ -25,6 +25,7 @@ from node.daemon import Daemon
 from node.flags import coerce, load_flag_table, parse_argv
 from node.machine.snapshot import NodeSnapshot
 from supervisor.wire import InvocationState, InvocationStatus
+from tests.helpers import guest_run_dir
 
 __all__ = [
     "SSE_CONNECTED",
@@ -75,6 +76,8 @@ def daemon_config(tmp_path: pathlib.Path, *argv: str, devices: str = "sim") -> C
         "3600",
         "--shutdown-grace",
         "0",
+        "--guest-run-dir",
+        guest_run_dir(),
         *argv,
     ]
     parsed = parse_argv(table, args, {}, tuple(COMMANDS))

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.helpers import remove_guest_dirs
 
 # CI runs on 2 cores; the "ci" profile is still large enough to mean something
 # (state machines ask for at least 200 examples on their own).
@@ -13,3 +17,9 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _remove_guest_folders() -> Iterator[None]:
+    yield
+    remove_guest_dirs()

@@ -7,13 +7,40 @@ import os
 import pathlib
 import queue
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Guests run as other uids: their socket and token folders must be reachable from
+# /tmp, never under pytest's 0700 tmp_path. One base per test run, removed at exit.
+GUEST_BASE = pathlib.Path(tempfile.gettempdir()) / f"litegraph-tests-{os.getpid()}"
+# The system's Python, which guests can run (the test venv may sit under /root).
+GUEST_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "python3"
+
+
+def guest_run_dir() -> str:
+    """A fresh --guest-run-dir that guest uids can enter."""
+    GUEST_BASE.mkdir(mode=0o711, exist_ok=True)
+    GUEST_BASE.chmod(0o711)
+    return tempfile.mkdtemp(prefix="run-", dir=GUEST_BASE)
+
+
+def guest_cwd() -> pathlib.Path:
+    """A folder any guest uid may enter and read, to run a guest in."""
+    folder = pathlib.Path(guest_run_dir())
+    folder.chmod(0o755)
+    return folder
+
+
+def remove_guest_dirs() -> None:
+    shutil.rmtree(GUEST_BASE, ignore_errors=True)
+
+
 # stderr lines of children started by `spawned`, read by a thread so a chatty
 # child never blocks on a full pipe.
 _LINES: dict[int, queue.Queue[str | None]] = {}
@@ -26,6 +53,7 @@ def node_command(*args: str) -> list[str]:
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LITEGRAPH_NODE_")}
     env["PYTHONPATH"] = str(ROOT)
+    env["LITEGRAPH_NODE_GUEST_RUN_DIR"] = guest_run_dir()
     env.update(extra)
     return env
 

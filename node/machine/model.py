@@ -263,7 +263,11 @@ class Machine:
                 log.info("journal %s writes again", self.journal.path)
 
     def snapshot(
-        self, *, sequence: int | None = None, readiness_reasons: tuple[str, ...] = ()
+        self,
+        *,
+        sequence: int | None = None,
+        readiness_reasons: tuple[str, ...] = (),
+        notes: tuple[str, ...] = (),
     ) -> NodeSnapshot:
         """A snapshot numbered `sequence` (the caller counts changes), or the next number."""
         self._sequence = max(self._sequence + 1, sequence or 0)
@@ -274,6 +278,7 @@ class Machine:
             health=self.health,
             ledger=self.ledger,
             readiness_reasons=readiness_reasons,
+            notes=notes,
         )
 
     async def monitor(

@@ -178,6 +178,7 @@ def build_snapshot(
     ledger: Ledger,
     observed_at: datetime.datetime | None = None,
     readiness_reasons: Iterable[str] = (),
+    notes: Iterable[str] = (),
 ) -> NodeSnapshot:
     """Assemble a NodeSnapshot; extra `readiness_reasons` (e.g. journal recovery) are appended."""
     view = ledger.capacity()
@@ -234,5 +235,5 @@ def build_snapshot(
             ),
         ),
         readiness_reasons=(*inventory.readiness_reasons, *readiness_reasons),
-        notes=inventory.notes,
+        notes=(*inventory.notes, *notes),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,7 +60,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
     empty = state / "empty-path"
     empty.mkdir()
     env = clean_env(PATH=str(empty))
-    with subprocess_node(state / "state", "--max-queued", "8", env=env) as (proc, url, op):
+    # With no PATH, the sandbox tool is named by its full path.
+    bwrap = shutil.which("bwrap") or "bwrap"
+    with subprocess_node(
+        state / "state", "--max-queued", "8", "--sandbox-tool", bwrap, env=env
+    ) as (proc, url, op):
         yield url, op
         leftovers = descendants(proc.pid)
         for child in leftovers:

@@ -12,7 +12,7 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 
 from api.auth import load_auth
-from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
+from tests.helpers import clean_env, guest_cwd, node_command, spawned, stop, wait_for_line
 
 DEV_LISTENING = r"dev: listening on (http://\S+)"
 
@@ -36,7 +36,7 @@ def test_run_prints_output_and_exits_with_the_commands_status(
         capture_output=True,
         text=True,
         env=env,
-        cwd=tmp_path,
+        cwd=guest_cwd(),
         timeout=60,
         check=False,
     )
@@ -54,7 +54,7 @@ def test_run_exits_0_when_the_command_succeeds(
         capture_output=True,
         text=True,
         env=env,
-        cwd=tmp_path,
+        cwd=guest_cwd(),
         timeout=60,
         check=False,
     )

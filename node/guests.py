@@ -1,0 +1,168 @@
+"""Start-up of guest confinement: what this node can enforce, and the guests' socket.
+
+Decided once, before the supervisor starts: whether the daemon can give each
+guest its own uid, whether the sandbox tool works here (a real run of it, as a
+guest uid), and the folder that holds the node's Unix socket and the guests'
+token files. What cannot be enforced is said at start-up, in the snapshot's
+notes and, where it blocks process work, in /readyz.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import pwd
+import shutil
+import socket
+import stat
+from dataclasses import dataclass, field
+
+import trio
+
+from api.unix_server import bind_unix_socket
+from node.config import Config
+from supervisor.guests import GuestPolicy
+from supervisor.identity import UidPool, can_switch_users, parse_uid_range
+from supervisor.sandbox import SandboxSpec, SandboxUnavailable, bwrap_argv, find_bwrap
+
+__all__ = ["GuestSetup", "GuestSetupError", "default_run_dir", "open_guest_setup"]
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "node.sock"
+SELF_TEST_SECONDS = 10.0
+
+
+class GuestSetupError(Exception):
+    """The guest folder or uid range is unusable; the daemon does not start."""
+
+
+@dataclass
+class GuestSetup:
+    policy: GuestPolicy
+    # Worth knowing (snapshot notes, start-up log): what is not enforced here.
+    notes: list[str] = field(default_factory=list)
+    # Set when process work is refused: the reason /readyz gives.
+    blocked: str | None = None
+    socket: socket.socket | None = None
+
+
+def default_run_dir(*, dev: bool) -> pathlib.Path:
+    if not dev:
+        return pathlib.Path("/run/litegraph-node")
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime.startswith("/"):
+        return pathlib.Path(runtime) / "litegraph-node"
+    return pathlib.Path(f"/tmp/litegraph-node-{os.geteuid()}")  # noqa: S108 - checked below
+
+
+def _prepare_run_dir(path: pathlib.Path) -> pathlib.Path:
+    """The daemon's own folder, not a symlink, writable by nobody else, enterable by guests."""
+    try:
+        path.mkdir(mode=0o711, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise GuestSetupError(f"guest folder {path}: {exc.strerror}") from exc
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise GuestSetupError(f"guest folder {path}: not a plain folder (a symlink?)")
+    if info.st_uid != os.geteuid():
+        raise GuestSetupError(f"guest folder {path}: owned by uid {info.st_uid}, not the daemon")
+    os.chmod(path, 0o711)  # noqa: S103 - guests may enter it, never list or write it
+    return path
+
+
+async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
+    """Run `true` in a sandbox as a guest would; None when it works, else why not."""
+    true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
+    argv = bwrap_argv(SandboxSpec(bwrap=bwrap, isolate_network=True), [true])
+
+    def drop() -> None:
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+
+    try:
+        with trio.fail_after(SELF_TEST_SECONDS):
+            result = await trio.run_process(
+                argv, capture_stderr=True, check=False, preexec_fn=drop, cwd="/"
+            )
+    except (OSError, trio.TooSlowError) as exc:
+        return f"{bwrap} did not run: {exc}"
+    if result.returncode != 0:
+        text = result.stderr.decode(errors="replace").strip()[:300]
+        return f"{bwrap} failed here (exit {result.returncode}): {text}"
+    return None
+
+
+def _own_user() -> str:
+    uid = os.geteuid()
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+async def open_guest_setup(
+    config: Config, *, dev: bool, state_dir: pathlib.Path, auth_path: pathlib.Path
+) -> GuestSetup:
+    uids: UidPool | None = None
+    notes: list[str] = []
+    problems: list[str] = []
+    if can_switch_users():
+        uid_range = parse_uid_range(config.guest_uids)
+        if len(uid_range) < config.max_running:
+            raise GuestSetupError(
+                f"--guest-uids has {len(uid_range)} uids, fewer than --max-running "
+                f"{config.max_running}"
+            )
+        uids = UidPool(uid_range)
+    else:
+        text = (
+            f"guests run as the daemon's own user {_own_user()}: it cannot switch users "
+            "(not root, no CAP_SETUID and CAP_SETGID), so guests can read each other's "
+            "environment and signal each other; the sandbox still hides the state folder"
+        )
+        (notes if dev else problems).append(text)
+    bwrap: pathlib.Path | None = None
+    try:
+        bwrap = find_bwrap(config.sandbox_tool)
+        probe_uid = uids.allocate() if uids is not None else None
+        try:
+            failure = await _sandbox_works(bwrap, probe_uid)
+        finally:
+            if uids is not None and probe_uid is not None:
+                uids.release(probe_uid)
+        if failure is not None:
+            bwrap = None
+            problems.append(f"sandbox unusable: {failure}")
+    except SandboxUnavailable as exc:
+        problems.append(str(exc))
+    blocked = None
+    if problems and config.allow_unconfined_guests:
+        notes += [f"{p} (running guests anyway: --allow-unconfined-guests)" for p in problems]
+    elif problems:
+        blocked = "process work refused: " + "; ".join(problems)
+    run_dir = _prepare_run_dir(
+        pathlib.Path(config.guest_run_dir) if config.guest_run_dir else default_run_dir(dev=dev)
+    )
+    try:
+        sock = bind_unix_socket(run_dir / SOCKET_NAME)
+    except OSError as exc:
+        raise GuestSetupError(f"guest socket in {run_dir}: {exc}") from exc
+    policy = GuestPolicy(
+        bwrap=bwrap,
+        uids=uids,
+        state_dir=state_dir,
+        hidden=(auth_path,),
+        dev_root=pathlib.Path(config.dev_root),
+        node_socket=run_dir / SOCKET_NAME,
+        run_dir=run_dir,
+        refusal=blocked,
+    )
+    for note in notes:
+        log.warning("%s", note)
+    if blocked:
+        log.error("%s", blocked)
+    return GuestSetup(policy=policy, notes=notes, blocked=blocked, socket=sock)
