@@ -54,7 +54,7 @@ async def status(node: Node, invocation_id: str) -> dict[str, Any]:
 async def run_to_end(node: Node, body: dict[str, Any]) -> dict[str, Any]:
     await node.submit(body)
     with trio.fail_after(WAIT_SECONDS):
-        while (found := await status(node, body["id"]))["state"] not in TERMINAL:
+        while (found := await status(node, body["id"]))["state"] not in TERMINAL:  # noqa: ASYNC110
             await trio.sleep(0.05)
     return found
 
@@ -70,7 +70,7 @@ async def guest_pid(node: Node, invocation_id: str, marker: str) -> int:
             if leader is not None:
                 for pid in descendants(leader):
                     with contextlib.suppress(OSError):
-                        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+                        cmdline = await trio.Path(f"/proc/{pid}/cmdline").read_bytes()
                         if marker.encode() in cmdline and b"bwrap" not in cmdline:
                             return pid
             await trio.sleep(0.05)

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 
 import pytest
+import trio
 
 from tests.adversarial.fixtures import Node
 from tests.confinement.guests import (
@@ -104,8 +105,8 @@ async def test_one_guest_cannot_read_or_signal_another(tmp_path: pathlib.Path) -
         await node.submit(python("import time; time.sleep(60)  # guest-b", invocation_id="b"))
         a = await guest_pid(node, "a", "guest-a")
         b = await guest_pid(node, "b", "guest-b")
-        token_file = pathlib.Path(f"/proc/{a}/root/run/litegraph/tokens")
-        assert token_file.read_text().startswith("v4.public.")  # root sees it: it exists
+        token_file = trio.Path(f"/proc/{a}/root/run/litegraph/tokens")
+        assert (await token_file.read_text()).startswith("v4.public.")  # root sees it
         probe = as_uid(
             uid_of(b),
             GUEST_PYTHON,
