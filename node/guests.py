@@ -9,6 +9,7 @@ notes and, where it blocks process work, in /readyz.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
@@ -22,6 +23,7 @@ import trio
 
 from api.unix_server import bind_unix_socket
 from node.config import Config
+from node.machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from supervisor.guests import GuestPolicy
 from supervisor.identity import UidPool, can_switch_users, parse_uid_range
 from supervisor.sandbox import SandboxSpec, SandboxUnavailable, bwrap_argv, find_bwrap
@@ -96,6 +98,11 @@ async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
     return None
 
 
+def _cgroup_tag(state_dir: pathlib.Path) -> str:
+    """Names this daemon's invocation cgroups: one daemon per state dir."""
+    return hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]
+
+
 def _own_user() -> str:
     uid = os.geteuid()
     try:
@@ -139,6 +146,10 @@ async def open_guest_setup(
             problems.append(f"sandbox unusable: {failure}")
     except SandboxUnavailable as exc:
         problems.append(str(exc))
+    found = system_cgroups()
+    cgroups = found if isinstance(found, Cgroups) else None
+    if isinstance(found, CgroupsUnavailable):
+        (notes if dev else problems).append(f"no limits from cgroups: {found.reason}")
     blocked = None
     if problems and config.allow_unconfined_guests:
         notes += [f"{p} (running guests anyway: --allow-unconfined-guests)" for p in problems]
@@ -160,7 +171,15 @@ async def open_guest_setup(
         node_socket=run_dir / SOCKET_NAME,
         run_dir=run_dir,
         refusal=blocked,
+        cgroups=cgroups,
+        pids_max=config.guest_pids_max,
+        cgroup_tag=_cgroup_tag(state_dir),
     )
+    if cgroups is not None:
+        # Every cgroup of ours that exists now is a dead daemon's: kill what is in it.
+        await cgroups.remove_leftovers(
+            only=[name for name in cgroups.leftovers() if policy.owns_cgroup(name)]
+        )
     for note in notes:
         log.warning("%s", note)
     if blocked:

@@ -346,7 +346,7 @@ class Supervisor:
                     self._announce(inv)
                     inv.exit_code = await run_work(self._run_env(), inv)
                 ending = Ending.succeed if inv.exit_code == 0 else Ending.fail
-                inv.reason = None if inv.exit_code == 0 else "nonzero_exit"
+                inv.reason = None if inv.exit_code == 0 else inv.failure_reason()
         except ProcessStuck as exc:
             ending, inv.reason, inv.stuck = Ending.fail, f"process_stuck: {exc}", True
         except Exception as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from node.machine.cgroups import Cgroups
 from node.machine.devnodes import lane_device_nodes
 from node.machine.inventory import Inventory
 from node.machine.lanes import Isolation, Lane
@@ -27,6 +29,8 @@ from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
 __all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session"]
 
 log = logging.getLogger(__name__)
+
+MAX_CGROUP_NAME = 128
 
 
 class GuestsRefused(RuntimeError):
@@ -50,6 +54,12 @@ class GuestPolicy:
     run_dir: Path | None = None
     # Why process work is refused here (no sandbox tool and unconfined not allowed).
     refusal: str | None = None
+    # Per-invocation cgroups (memory, CPU quota, pids, devices); None: not enforceable here.
+    cgroups: Cgroups | None = None
+    pids_max: int = 1024
+    # Prefixes this daemon's invocation cgroups (from its state dir), so daemons that
+    # share a parent cgroup never take each other's for leftovers.
+    cgroup_tag: str = "node"
 
     @classmethod
     def unconfined(cls, state_dir: Path) -> GuestPolicy:
@@ -63,6 +73,15 @@ class GuestPolicy:
         ):
             raise InvalidProcessRequest("cwd", "inside the node's state folder")
 
+    def cgroup_name(self, invocation_id: str) -> str:
+        name = f"{self.cgroup_tag}.{invocation_id}"
+        if len(name) > MAX_CGROUP_NAME:
+            name = f"{self.cgroup_tag}.{hashlib.sha256(invocation_id.encode()).hexdigest()[:32]}"
+        return name
+
+    def owns_cgroup(self, name: str) -> bool:
+        return name.startswith(f"{self.cgroup_tag}.")
+
     def secrets(self) -> tuple[Path, ...]:
         return tuple(Path(os.path.realpath(p)) for p in (self.state_dir, *self.hidden))
 
@@ -74,6 +93,7 @@ class GuestSession:
     uid: int | None
     sandbox: SandboxSpec | None
     env: dict[str, str]
+    pids_max: int
 
 
 def _token_text(tokens: Sequence[str]) -> bytes:
@@ -139,7 +159,7 @@ def _session(
         env["LITEGRAPH_NODE_URL"] = node_url  # a sandbox has no host network
     if policy.bwrap is None:
         env["LITEGRAPH_CAPABILITY_TOKEN_FILE"] = str(token_path)
-        return GuestSession(uid=uid, sandbox=None, env=env)
+        return GuestSession(uid=uid, sandbox=None, env=env, pids_max=policy.pids_max)
     nodes: dict[Path, None] = {}
     if not sandboxed:  # a sandbox guest gets no device node at all
         for lane in lanes:
@@ -159,4 +179,4 @@ def _session(
         cwd=cwd,
         masked=policy.secrets(),
     )
-    return GuestSession(uid=uid, sandbox=sandbox, env=env)
+    return GuestSession(uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max)

@@ -6,6 +6,7 @@ import datetime
 
 import trio
 
+from node.machine.cgroups import CgroupUsage
 from node.machine.ledger import Reservation
 from node.machine.snapshot import rfc3339
 from supervisor.lifecycle import Ending, next_state
@@ -16,6 +17,7 @@ from supervisor.wire import (
     InvocationState,
     InvocationStatus,
     SubmitResponse,
+    Usage,
 )
 
 __all__ = ["Invocation", "utc_now"]
@@ -42,6 +44,8 @@ class Invocation:
         self.tokens: dict[str, str] = {}
         self.exit_code: int | None = None
         self.pid: int | None = None
+        self.uid: int | None = None
+        self.usage: Usage | None = None
         self.wall_deadline = 0.0  # Unix time its tokens may not outlive (set at admission)
         self.stuck = False  # its process survived SIGKILL: its resources stay held
         self.submitted_at = utc_now()
@@ -63,6 +67,22 @@ class Invocation:
         else:
             self.ended_at = at or utc_now()
         return self.state
+
+    def record_usage(self, usage: CgroupUsage) -> None:
+        self.usage = Usage(
+            cpu_seconds=round(usage.cpu_seconds, 6),
+            peak_memory_bytes=usage.peak_memory_bytes,
+            oom_killed=usage.oom_killed,
+            pids_limit_hit=usage.pids_limit_hit,
+        )
+
+    def failure_reason(self) -> str:
+        """Why a process that exited non-zero failed, in the kernel's words where it knows."""
+        if self.usage is not None and self.usage.oom_killed:
+            return "oom_killed"
+        if self.usage is not None and self.usage.pids_limit_hit:
+            return "pids_limit"
+        return "nonzero_exit"
 
     def lanes(self) -> list[GrantedLane]:
         if self.reservation is None:
@@ -88,6 +108,8 @@ class Invocation:
             stderr_tail=self.stderr.text()[-TAIL_CHARS:],
             stdout_bytes=self.stdout.total_bytes,
             stderr_bytes=self.stderr.total_bytes,
+            usage=self.usage,
+            uid=self.uid,
         )
 
     def submit_response(self) -> SubmitResponse:

@@ -33,6 +33,7 @@ from node.machine.cgroups import (
     CgroupError,
     CgroupLimits,
     Cgroups,
+    CgroupUsage,
     InvocationCgroup,
     system_cgroups,
 )
@@ -173,6 +174,9 @@ class ProcessSpec:
     uid: int | None = None
     # Run inside this sandbox (bubblewrap); None runs the argv directly.
     sandbox: SandboxSpec | None = None
+    # CPU quota (thousandths of a CPU) and process limit of the cgroup; None: no limit.
+    cpu_millis: int | None = None
+    pids_max: int | None = None
 
 
 # -- validation --------------------------------------------------------------
@@ -341,16 +345,27 @@ def _gated_argv(spec: ProcessSpec) -> list[str]:
     return bwrap_argv(spec.sandbox, spec.argv, block_fd=0)
 
 
+def _cgroup_limits(spec: ProcessSpec, memory_bytes: int) -> CgroupLimits:
+    cpus = len(os.sched_getaffinity(0))
+    # A sandboxed guest may open only its grant's device nodes (v1's devices controller).
+    nodes = spec.sandbox.device_nodes if spec.sandbox is not None else None
+    return CgroupLimits(
+        memory_bytes=memory_bytes,
+        cpu_millis=spec.cpu_millis or cpus * 1000,
+        pids_max=spec.pids_max or _NO_PIDS_LIMIT,
+        devices=None if nodes is None else tuple(str(node) for node in nodes),
+    )
+
+
 def _memory_plan(
     spec: ProcessSpec, cgroups: Cgroups | None
 ) -> tuple[InvocationCgroup | None, int | None]:
-    """(cgroup, RLIMIT_AS bytes) enforcing spec.memory_limit_bytes."""
+    """(cgroup, RLIMIT_AS bytes) enforcing spec.memory_limit_bytes (and the other limits)."""
     limit = spec.memory_limit_bytes
     if limit is None:
         return None, None
     if cgroups is not None:
-        cpus = len(os.sched_getaffinity(0))
-        limits = CgroupLimits(memory_bytes=limit, cpu_millis=cpus * 1000, pids_max=_NO_PIDS_LIMIT)
+        limits = _cgroup_limits(spec, limit)
         try:
             return cgroups.create(spec.cgroup_name, limits), None
         except CgroupError as exc:
@@ -375,6 +390,7 @@ async def run_process(
     kill_grace: float = 5.0,
     cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
     parent_env: Mapping[str, str] | None = None,
+    on_usage: Callable[[CgroupUsage], None] | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
@@ -382,7 +398,8 @@ async def run_process(
     argv runs (the child waits for it); (pid, create_time) identifies the
     process even after pid reuse. If it raises, the child is killed without
     ever running the argv. `cgroups=None` never uses cgroups; `parent_env`
-    defaults to os.environ.
+    defaults to os.environ. `on_usage` gets the cgroup's own counters (CPU time,
+    peak memory, OOM kills, refused forks) once everything in it has ended.
     """
     validate_spec(spec)
     env = build_environment(spec, os.environ if parent_env is None else parent_env)
@@ -427,6 +444,13 @@ async def run_process(
         with trio.move_on_after(kill_grace + 15, shield=True):
             await terminate_group(pgid, kill_grace, leader=proc)
             if cgroup is not None:
+                # What escaped the group (a setsid() grandchild) is still in the cgroup.
+                try:
+                    await cgroup.kill()
+                except CgroupError as exc:
+                    log.error("%s: %s", spec.cgroup_name, exc)
+                if on_usage is not None:
+                    on_usage(cgroup.usage())
                 await cgroup.remove()
 
     try:

@@ -29,7 +29,9 @@ class RunEnv:
 log = logging.getLogger(__name__)
 
 
-def process_spec(inv: Invocation, work: ProcessWork, guest: GuestSession) -> ProcessSpec:
+def process_spec(
+    inv: Invocation, work: ProcessWork, guest: GuestSession, cgroup_name: str
+) -> ProcessSpec:
     reservation = inv.reservation
     assert reservation is not None
     gpu = any(g.kind is not LaneKind.CPU for g in reservation.lanes)
@@ -42,9 +44,11 @@ def process_spec(inv: Invocation, work: ProcessWork, guest: GuestSession) -> Pro
         visible_devices=reservation.visible_devices,
         memory_limit_bytes=resources.memory_bytes,
         cpu_only=not gpu,
-        cgroup_name=inv.id,
+        cgroup_name=cgroup_name,
         uid=guest.uid,
         sandbox=guest.sandbox,
+        cpu_millis=resources.cpu_millis,
+        pids_max=guest.pids_max,
     )
 
 
@@ -73,10 +77,13 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
         cwd=work.cwd,
         node_url=sup.node_url,
     ) as guest:
+        inv.uid = guest.uid
         return await run_process(
-            process_spec(inv, work, guest),
+            process_spec(inv, work, guest, sup.guests.cgroup_name(inv.id)),
             stdout=inv.stdout,
             stderr=inv.stderr,
             on_started=started,
             kill_grace=sup.kill_grace,
+            cgroups=sup.guests.cgroups,
+            on_usage=inv.record_usage,
         )

@@ -97,6 +97,15 @@ class GrantedLane(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     vram_bytes: int
 
 
+class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a process invocation used, from its cgroup's own counters."""
+
+    cpu_seconds: float
+    peak_memory_bytes: int | None = None
+    oom_killed: bool = False
+    pids_limit_hit: bool = False
+
+
 class InvocationStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     id: str
     state: InvocationState
@@ -113,6 +122,10 @@ class InvocationStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # Bytes written so far: a follower prints only what is new since its last read.
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    # Process work run in a cgroup: known once the invocation's processes are gone.
+    usage: Usage | None = None
+    # The uid it ran as (its own, from --guest-uids); None for builtins or without a switch.
+    uid: int | None = None
 
 
 class SubmitResponse(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
