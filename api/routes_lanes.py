@@ -13,16 +13,23 @@ from api.context import NodeContext
 from api.errors import ApiError
 from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_supervisor, require_role
 from api.responses import json_response
-from capabilities import RefreshTooEarly, TokenRefusal, TokenRefused
+from api.unix_server import peer_of
+from capabilities import LaneOp, RefreshTooEarly, TokenRefusal, TokenRefused
 from node.machine.snapshot import rfc3339
+from supervisor.core import Supervisor
 from supervisor.lane_owner import LaneWorkError
-from supervisor.lane_work import LaneWorkRequest, TokenReply
+from supervisor.lane_work import LaneWorkRequest, TokenReply, lane_op
 
 __all__ = ["register_lane_routes"]
 
 # Who the token is (401) versus what it may do (403).
 FORBIDDEN = frozenset(
-    {TokenRefusal.WRONG_AUDIENCE, TokenRefusal.OP_NOT_GRANTED, TokenRefusal.VRAM_OVER_BUDGET}
+    {
+        TokenRefusal.WRONG_AUDIENCE,
+        TokenRefusal.OP_NOT_GRANTED,
+        TokenRefusal.VRAM_OVER_BUDGET,
+        TokenRefusal.WRONG_HOLDER,
+    }
 )
 
 
@@ -56,6 +63,12 @@ def _lane_errors(ctx: NodeContext) -> Iterator[None]:
         raise ApiError(503, "lane_timeout", "the lane did not answer in time") from None
 
 
+def _check_holder(sup: Supervisor, lane_id: str, token: str, op: LaneOp) -> None:
+    peer = peer_of(request.scope)
+    if peer is not None:  # over TCP a token is a bearer token (threat-model/, B2)
+        sup.check_holder(lane_id, token, op, peer.uid)
+
+
 def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
     @app.post("/v1/lanes/<lane_id>/work")
     async def lane_work(lane_id: str) -> Response:
@@ -66,6 +79,7 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
         started = trio.current_time()
         try:
             with _lane_errors(ctx):
+                _check_holder(sup, lane_id, token, lane_op(work))
                 reply = await sup.lane_work(lane_id, token, work)
         finally:
             ctx.metrics.lane_work_seconds.labels(type(work).__struct_config__.tag).observe(
@@ -79,6 +93,7 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
         token = _bearer()
         sup = ready_supervisor(ctx)
         with _lane_errors(ctx):
+            _check_holder(sup, lane_id, token, LaneOp.EXECUTE)
             try:
                 minted = sup.refresh_token(lane_id, token)
             except RefreshTooEarly as early:

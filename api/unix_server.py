@@ -16,7 +16,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -48,7 +48,7 @@ class PeerCredentials:
     gid: int
 
 
-def peer_of(scope: MutableMapping[str, Any]) -> PeerCredentials | None:
+def peer_of(scope: Mapping[str, object]) -> PeerCredentials | None:
     """The Unix-socket caller of this request; None over TCP."""
     peer = scope.get(PEER_SCOPE_KEY)
     return peer if isinstance(peer, PeerCredentials) else None

@@ -58,6 +58,8 @@ class TokenRefusal(enum.StrEnum):
     REVOKED = "revoked"
     OP_NOT_GRANTED = "op_not_granted"
     VRAM_OVER_BUDGET = "vram_over_budget"
+    # On the guests' Unix socket: presented by a uid other than the guest's it was minted for.
+    WRONG_HOLDER = "wrong_holder"
 
 
 class KeyFileProblem(enum.StrEnum):

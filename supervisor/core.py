@@ -18,7 +18,14 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from capabilities import Isolation as TokenIsolation
-from capabilities import LaneOp, LaneValidator, MintedToken, TokenService
+from capabilities import (
+    LaneOp,
+    LaneValidator,
+    MintedToken,
+    TokenRefusal,
+    TokenRefused,
+    TokenService,
+)
 from capabilities.errors import CapabilityError, MintError, RevocationFull
 from node.machine import Machine
 from node.machine.health import HealthState, HealthTransition
@@ -438,6 +445,16 @@ class Supervisor:
             raise LaneWorkError(404, "unknown_lane", "no such lane")
         with trio.fail_after(self.lane_work_deadline):
             return await owner.request(token, work)
+
+    def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int) -> None:
+        """On the guests' socket, a guest's token works only for that guest's uid:
+        a token copied out of its sandbox is refused wherever else it turns up."""
+        claims = self.validator.validate(token, lane_id=lane_id, op=op)
+        inv = self._live.get(claims.sub)
+        if inv is not None and inv.uid is not None and inv.uid != peer_uid:
+            raise TokenRefused(
+                TokenRefusal.WRONG_HOLDER, f"presented by uid {peer_uid}, not its guest's"
+            )
 
     def refresh_token(self, lane_id: str, token: str) -> MintedToken:
         """A fresh token with the same scope for a live invocation; the old one is revoked.

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import trio
 
+from capabilities import LaneOp
 from node.machine.lanes import Lane
 
 __all__ = [
@@ -65,6 +66,15 @@ class Execute(
 
 
 LaneWorkRequest = MemoryReserve | MemoryRelease | Execute
+
+
+def lane_op(work: LaneWorkRequest) -> LaneOp:
+    """The token operation a request needs."""
+    if isinstance(work, MemoryReserve):
+        return LaneOp.MEMORY_RESERVE
+    if isinstance(work, MemoryRelease):
+        return LaneOp.MEMORY_RELEASE
+    return LaneOp.EXECUTE
 
 
 class LaneWorkReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
