@@ -7,14 +7,21 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PACKAGES := node capabilities supervisor api
 
-.PHONY: run test lint typecheck pytest bench contracts clean
+.PHONY: run test lint typecheck pytest bench contracts clean system-run system-test
+
+# Debian packages pip cannot bring: the guest sandbox, and a browser for the page test.
+system-run:
+	sh scripts/system-packages bwrap:bubblewrap
+
+system-test:
+	sh scripts/system-packages bwrap:bubblewrap chromium:chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) system-run
 	$(BIN)/litegraph-node dev
 
 test: $(STAMP) lint typecheck pytest
@@ -26,7 +33,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES) bench
 
-pytest: $(STAMP)
+pytest: $(STAMP) system-test
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
