@@ -102,18 +102,22 @@ def _token_text(tokens: Sequence[str]) -> bytes:
 
 @contextlib.contextmanager
 def _token_file(tokens: Sequence[str], uid: int | None, where: Path | None) -> Iterator[Path]:
-    """A file only `uid` can read (0400 in a 0700 folder), removed afterwards."""
+    """A file only `uid` can read (0400, owned by it), removed afterwards.
+
+    Its folder stays the daemon's (0711): the guest can reach the file but not
+    write beside it, and the daemon can remove it without reading the guest's files.
+    """
     folder = Path(tempfile.mkdtemp(prefix="guest-", dir=where))
     try:
+        folder.chmod(0o711)
         path = folder / "tokens"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
         try:
+            if uid is not None:
+                os.fchown(fd, uid, uid)
             os.write(fd, _token_text(tokens))
         finally:
             os.close(fd)
-        if uid is not None:
-            os.chown(path, uid, uid)
-            os.chown(folder, uid, uid)
         yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
