@@ -268,6 +268,7 @@ def test_reasons_come_in_the_documented_order(
         R.REVOKED,
         R.OP_NOT_GRANTED,
         R.VRAM_OVER_BUDGET,
+        R.WRONG_HOLDER,  # the supervisor's check, after a token is otherwise valid
     ]
 
 
