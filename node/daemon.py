@@ -274,9 +274,8 @@ class Daemon:
         devices = config.devices.value
         if self.dev and config.devices is DeviceMode.auto:
             devices = "workstation"
+        # Unavailable cgroups are reported with the guests' confinement (node.guests).
         cgroups = system_cgroups()
-        if isinstance(cgroups, CgroupsUnavailable):
-            self.readiness.note("cgroups", f"limits not enforced by cgroups: {cgroups.reason}")
         try:
             return await Machine.open(
                 node_id=config.node_id,

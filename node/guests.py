@@ -9,7 +9,6 @@ notes and, where it blocks process work, in /readyz.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pathlib
@@ -98,11 +97,6 @@ async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
     return None
 
 
-def _cgroup_tag(state_dir: pathlib.Path) -> str:
-    """Names this daemon's invocation cgroups: one daemon per state dir."""
-    return hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]
-
-
 def _own_user() -> str:
     uid = os.geteuid()
     try:
@@ -173,13 +167,7 @@ async def open_guest_setup(
         refusal=blocked,
         cgroups=cgroups,
         pids_max=config.guest_pids_max,
-        cgroup_tag=_cgroup_tag(state_dir),
     )
-    if cgroups is not None:
-        # Every cgroup of ours that exists now is a dead daemon's: kill what is in it.
-        await cgroups.remove_leftovers(
-            only=[name for name in cgroups.leftovers() if policy.owns_cgroup(name)]
-        )
     for note in notes:
         log.warning("%s", note)
     if blocked:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
@@ -29,8 +28,6 @@ from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
 __all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session"]
 
 log = logging.getLogger(__name__)
-
-MAX_CGROUP_NAME = 128
 
 
 class GuestsRefused(RuntimeError):
@@ -57,9 +54,6 @@ class GuestPolicy:
     # Per-invocation cgroups (memory, CPU quota, pids, devices); None: not enforceable here.
     cgroups: Cgroups | None = None
     pids_max: int = 1024
-    # Prefixes this daemon's invocation cgroups (from its state dir), so daemons that
-    # share a parent cgroup never take each other's for leftovers.
-    cgroup_tag: str = "node"
 
     @classmethod
     def unconfined(cls, state_dir: Path) -> GuestPolicy:
@@ -72,15 +66,6 @@ class GuestPolicy:
             os.path.realpath(self.state_dir)
         ):
             raise InvalidProcessRequest("cwd", "inside the node's state folder")
-
-    def cgroup_name(self, invocation_id: str) -> str:
-        name = f"{self.cgroup_tag}.{invocation_id}"
-        if len(name) > MAX_CGROUP_NAME:
-            name = f"{self.cgroup_tag}.{hashlib.sha256(invocation_id.encode()).hexdigest()[:32]}"
-        return name
-
-    def owns_cgroup(self, name: str) -> bool:
-        return name.startswith(f"{self.cgroup_tag}.")
 
     def secrets(self) -> tuple[Path, ...]:
         return tuple(Path(os.path.realpath(p)) for p in (self.state_dir, *self.hidden))

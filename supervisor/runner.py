@@ -29,9 +29,7 @@ class RunEnv:
 log = logging.getLogger(__name__)
 
 
-def process_spec(
-    inv: Invocation, work: ProcessWork, guest: GuestSession, cgroup_name: str
-) -> ProcessSpec:
+def process_spec(inv: Invocation, work: ProcessWork, guest: GuestSession) -> ProcessSpec:
     reservation = inv.reservation
     assert reservation is not None
     gpu = any(g.kind is not LaneKind.CPU for g in reservation.lanes)
@@ -44,7 +42,7 @@ def process_spec(
         visible_devices=reservation.visible_devices,
         memory_limit_bytes=resources.memory_bytes,
         cpu_only=not gpu,
-        cgroup_name=cgroup_name,
+        cgroup_name=inv.id,
         uid=guest.uid,
         sandbox=guest.sandbox,
         cpu_millis=resources.cpu_millis,
@@ -79,7 +77,7 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
     ) as guest:
         inv.uid = guest.uid
         return await run_process(
-            process_spec(inv, work, guest, sup.guests.cgroup_name(inv.id)),
+            process_spec(inv, work, guest),
             stdout=inv.stdout,
             stderr=inv.stderr,
             on_started=started,
