@@ -54,6 +54,7 @@ from supervisor.wire import (
     InvocationState,
     InvocationStatus,
     NodeEvent,
+    ProcessWork,
     SubmitResponse,
 )
 
@@ -197,6 +198,9 @@ class Supervisor:
             )
         try:
             check_request(request)
+            if isinstance(request.work, ProcessWork) and self.guests.refusal is not None:
+                # Fail closed: this node cannot confine a guest (the reason is on /readyz).
+                raise AdmissionRefused(503, "guests_unconfinable", self.guests.refusal)
         except AdmissionRefused as refused:
             self._announce_refusal(request.id, refused.reason)
             raise

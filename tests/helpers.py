@@ -95,14 +95,30 @@ def spawned(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[s
         _LINES[proc.pid] = lines
         reader = threading.Thread(target=_drain, args=(proc.stderr, lines), daemon=True)
         reader.start()
+        failed = False
         try:
             yield proc
+        except BaseException:
+            failed = True
+            raise
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
             reader.join(timeout=10)
             del _LINES[proc.pid]
+            if failed:  # the child's own account of what went wrong, shown by pytest
+                _dump(lines)
+
+
+def _dump(lines: queue.Queue[str | None]) -> None:
+    while True:
+        try:
+            line = lines.get_nowait()
+        except queue.Empty:
+            return
+        if line is not None:
+            sys.stderr.write(line)
 
 
 def stop(proc: subprocess.Popen[str], signum: int, timeout: float = 20.0) -> int:

@@ -1,0 +1,70 @@
+"""What the node says and does when it cannot confine guests as it should."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import trio
+
+import node.guests
+from node.daemon import Daemon
+from tests.adversarial.fixtures import running_node
+from tests.api_fixtures import daemon_config
+from tests.confinement.guests import python, run_to_end
+
+
+async def test_process_work_with_zero_cpu_or_memory_is_refused(tmp_path: pathlib.Path) -> None:
+    async with running_node(tmp_path) as node:
+        for resources in ({"cpu_millis": 0}, {"memory_bytes": 0}):
+            body = python("print(1)")
+            body["resources"].update(resources)
+            reply = await node.client.post("/v1/invocations", json=body, headers=node.op)
+            assert reply.status_code == 422, reply.text
+            assert "above 0" in reply.json()["error"]["message"]
+
+
+async def test_serve_without_a_sandbox_tool_refuses_process_work_and_says_why(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with running_node(tmp_path, "--sandbox-tool", "/nonexistent/bwrap") as node:
+        ready = await node.client.get("/readyz")
+        assert ready.status_code == 503
+        assert "sandbox tool" in ready.json()["error"]["details"]["reasons"]["guests"]
+        reply = await node.client.post("/v1/invocations", json=python("print(1)"), headers=node.op)
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "guests_unconfinable"
+
+
+async def test_unconfined_guests_run_only_when_the_operator_allows_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    argv = ("--sandbox-tool", "/nonexistent/bwrap", "--allow-unconfined-guests")
+    async with running_node(tmp_path, *argv) as node:
+        assert (await node.client.get("/readyz")).status_code == 200
+        notes = (await node.snapshot())["notes"]
+        assert any("--allow-unconfined-guests" in note for note in notes), notes
+        found = await run_to_end(node, python("import os; print(os.getuid())"))
+        assert found["state"] == "succeeded", found
+        # Still its own uid: only the sandbox is missing.
+        assert int(found["stdout_tail"]) not in (0, os.geteuid())
+
+
+async def test_dev_that_cannot_switch_users_says_so_and_still_sandboxes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node.guests, "can_switch_users", lambda: False)
+    daemon = Daemon(daemon_config(tmp_path), handle_signals=False, dev=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        machine = daemon.machine
+        assert machine is not None and daemon.supervisor is not None
+        snapshot = daemon.context.snapshots
+        assert snapshot is not None
+        notes = snapshot.current().notes
+        assert any("cannot switch users" in note for note in notes), notes
+        assert daemon.readiness.ready
+        assert daemon.supervisor.guests.uids is None
+        assert daemon.supervisor.guests.bwrap is not None
+        daemon.stop.set()
