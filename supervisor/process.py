@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
 from node.machine.cgroups import (
@@ -36,6 +35,7 @@ from node.machine.cgroups import (
     InvocationCgroup,
     system_cgroups,
 )
+from node.machine.proc import process_start_ticks
 from node.machine.procgroup import terminate_group
 from supervisor.output import OutputRing, pump
 
@@ -293,15 +293,15 @@ async def run_process(
     *,
     stdout: OutputRing,
     stderr: OutputRing,
-    on_started: Callable[[int, float], None],
+    on_started: Callable[[int, int | None], None],
     kill_grace: float = 5.0,
     cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
     parent_env: Mapping[str, str] | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
-    `on_started(pid, create_time)` is called right after spawn, before any
-    output is read; (pid, create_time) identifies the process even after pid
+    `on_started(pid, start_ticks)` is called right after spawn, before any
+    output is read; (pid, start_ticks) identifies the process even after pid
     reuse. `cgroups=None` never uses cgroups; `parent_env` defaults to os.environ.
     """
     validate_spec(spec)
@@ -344,8 +344,8 @@ async def run_process(
                 await cgroup.remove()
 
     try:
-        # Not reaped yet, so psutil can read it even if it already exited.
-        on_started(proc.pid, psutil.Process(proc.pid).create_time())
+        # Not reaped yet, so /proc still shows it even if it already exited.
+        on_started(proc.pid, process_start_ticks(proc.pid))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pump, proc.stdout, stdout)
             nursery.start_soon(pump, proc.stderr, stderr)

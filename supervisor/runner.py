@@ -61,12 +61,12 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
         return await BUILTINS[work.name](work.args, inv.stdout)
     assert isinstance(work, ProcessWork)
 
-    def started(pid: int, start_time: float) -> None:
+    def started(pid: int, start_ticks: int | None) -> None:
         inv.pid = pid
 
         async def record() -> None:
             try:
-                await sup.machine.process_started(inv.id, pid, start_time)
+                await sup.machine.process_started(inv.id, pid, start_ticks)
             except (OSError, JournalError, trio.TooSlowError) as exc:
                 # Runs in the supervisor's nursery: raising here would end every invocation.
                 log.error("journal of the start of %s (pid %d) failed: %s", inv.id, pid, exc)
