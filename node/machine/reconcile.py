@@ -10,7 +10,8 @@ signals one only once /proc shows it is ours. It is ours if all of these hold:
   create_time() does; it is only used for records written before ticks were);
 - it leads its own session and group (sid == pgid == pid), as every
   invocation the supervisor starts does for its whole life;
-- it is not in another invocation's cgroup (`litegraph-<other id>`).
+- it is in no other invocation's cgroup (`litegraph-<other id>`, in the v2
+  hierarchy or any v1 one).
 
 A process that is ours gets its whole group ended: its descendants (a
 shell's backgrounded children, say) are members of it. The leader may be
@@ -40,17 +41,15 @@ import os
 import msgspec
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
+from node.machine.cgroups.common import PREFIX as CGROUP_PREFIX
 from node.machine.journal import Journal, ProcessRecord
 from node.machine.ledger import Ledger
-from node.machine.proc import ProcStat, process_cgroup, read_stat
+from node.machine.proc import ProcStat, process_cgroups, read_stat
 from node.machine.procgroup import group_members, terminate_groups
 
 __all__ = ["ReconcileReport", "SpareReason", "Spared", "reconcile"]
 
 log = logging.getLogger(__name__)
-
-# supervisor.cgroup names each invocation's cgroup so.
-_CGROUP_PREFIX = "litegraph-"
 
 
 class SpareReason(enum.StrEnum):
@@ -99,11 +98,14 @@ def _daemon_ids() -> set[int]:
 
 
 def _in_other_cgroup(pid: int, reservation_id: str) -> bool:
-    path = process_cgroup(pid)
-    if path is None:
-        return False
-    ours = [c for c in path.split("/") if c.startswith(_CGROUP_PREFIX)]
-    return bool(ours) and f"{_CGROUP_PREFIX}{reservation_id}" not in ours
+    """In an invocation cgroup (v2, or any v1 hierarchy) that is not this one's."""
+    names = {
+        part
+        for path in process_cgroups(pid) or ()
+        for part in path.split("/")
+        if part.startswith(CGROUP_PREFIX)
+    }
+    return bool(names - {f"{CGROUP_PREFIX}{reservation_id}"})
 
 
 def _member_spared(member: ProcStat, record: ProcessRecord, earliest: int) -> SpareReason | None:

@@ -20,6 +20,7 @@ import trio
 
 import node.machine.procgroup
 import node.machine.reconcile
+from node.machine.cgroups import CgroupLimits, Cgroups, system_cgroups
 from node.machine.journal import JOURNAL_FILENAME, Journal
 from node.machine.proc import process_start_ticks
 from node.machine.reconcile import Spared, SpareReason, reconcile
@@ -193,13 +194,20 @@ async def test_unrelated_process_with_its_true_start_time_is_not_killed(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("cgroup", "ended"),
-    [("/system.slice/node.service/litegraph-other", False), ("/x/litegraph-inv", True)],
+    ("cgroups", "ended"),
+    [
+        (["/system.slice/node.service/litegraph-other"], False),
+        (["/", "/litegraph-other", "/"], False),  # cgroup v1: memory hierarchy only
+        (["/x/litegraph-inv", "/x/litegraph-other"], False),
+        (["/x/litegraph-inv"], True),
+        (["/", "/litegraph-inv"], True),
+        (["/user.slice"], True),  # no invocation cgroup (none could be made)
+    ],
 )
 async def test_only_a_process_outside_other_invocations_cgroups_is_ended(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroup: str, ended: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroups: list[str], ended: bool
 ) -> None:
-    monkeypatch.setattr(node.machine.reconcile, "process_cgroup", lambda pid: cgroup)
+    monkeypatch.setattr(node.machine.reconcile, "process_cgroups", lambda pid: cgroups)
     async with group("echo ready; exec sleep 60") as (leader, start):
         with journal_with(tmp_path, leader.pid, start) as journal:
             report = await reconcile(journal, grace=0.5, kill_wait=0.5)
@@ -281,3 +289,39 @@ def test_signal_group_refuses_every_process_and_our_own_group(pgid: int) -> None
     # killpg(0) is our own group, kill(-1) every process we may signal.
     with pytest.raises(ValueError, match="refusing to signal"):
         node.machine.procgroup.signal_group(pgid, 0)
+
+
+@pytest.mark.parametrize("ours", [False, True])
+async def test_a_real_invocation_cgroup_decides_whose_process_it_is(
+    tmp_path: Path, ours: bool
+) -> None:
+    found = system_cgroups()
+    if os.geteuid() != 0 or not isinstance(found, Cgroups):
+        pytest.skip(f"needs root and usable cgroups: {found}")
+    name = f"t{os.getpid()}-{'inv' if ours else 'other'}"
+    limits = CgroupLimits(memory_bytes=64 << 20, cpu_millis=500, pids_max=16)
+    cgroup = found.create(name, limits)
+    try:
+        leader = await trio.lowlevel.open_process(
+            ["sleep", "60"], start_new_session=True, preexec_fn=cgroup.preexec_join()
+        )
+        try:
+            rid = name if ours else f"t{os.getpid()}-inv"
+            journal, _ = Journal.open(tmp_path)
+            journal.record_reserve(reservation(rid))
+            journal.record_process_started(rid, leader.pid, process_start_ticks(leader.pid))
+            with journal:
+                report = await reconcile(journal, grace=0.5, kill_wait=0.5)
+            if ours:
+                assert await leader.wait() == -signal.SIGTERM
+                assert report.terminated == (leader.pid,)
+            else:
+                assert leader.poll() is None
+                assert report.spared == (Spared(leader.pid, SpareReason.OTHER_CGROUP),)
+        finally:
+            with trio.CancelScope(shield=True):
+                leader.kill()
+                await leader.wait()
+    finally:
+        with trio.CancelScope(shield=True):
+            assert await cgroup.remove()
