@@ -2,6 +2,8 @@
 
 Bad flags, missing values and invalid values exit with status 2 and one line
 naming the flag; everything else about options comes from `.cli-flags.toml`.
+A daemon that cannot start exits 1; one stopped at once by a second signal
+exits 128 + its number (130 for SIGINT, 143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from node.flags import (
 )
 from node.logs import configure_logging
 from node.preflight import check_option_files
+from node.signals import ForcedStop, sole_error
 
 __all__ = ["main"]
 
@@ -68,7 +71,7 @@ def _dev_state_dir() -> str:
 
 
 def _run_daemon(config: Config, *, dev: bool) -> int:
-    from node.daemon import Daemon, startup_error_in
+    from node.daemon import Daemon, StartupError
 
     configure_logging(config.log_level, config.log_format)
     daemon = Daemon(config, dev=dev)
@@ -82,11 +85,13 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
     try:
         trio.run(main)
     except BaseException as raised:
-        startup = startup_error_in(raised)
-        if startup is None:
-            raise
-        print(f"{PROG}: cannot start: {startup}", file=sys.stderr)
-        return 1
+        if (forced := sole_error(raised, ForcedStop)) is not None:
+            print(f"{PROG}: {forced}", file=sys.stderr)
+            return forced.exit_status
+        if (startup := sole_error(raised, StartupError)) is not None:
+            print(f"{PROG}: cannot start: {startup}", file=sys.stderr)
+            return 1
+        raise
     return 0
 
 

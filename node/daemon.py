@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import pathlib
-import signal
 import threading
 from typing import Any
 
@@ -39,11 +38,12 @@ from node.machine.health import HealthTransition
 from node.machine.journal import JournalError
 from node.machine.readiness import Readiness
 from node.sdnotify import notify
+from node.signals import SignalWatcher, sole_error
 from node.statedir import StateDirError, prepare_state_dir
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_work import SimulatedExecutor
-from supervisor.wire import NodeEvent
+from supervisor.wire import InvocationState, NodeEvent
 
 __all__ = ["Daemon", "StartupError", "http_settings", "startup_error_in"]
 
@@ -97,12 +97,7 @@ def open_secrets(
 
 def startup_error_in(error: BaseException) -> StartupError | None:
     """The StartupError when that is all `error` holds (nurseries wrap it in groups)."""
-    while isinstance(error, BaseExceptionGroup):
-        startup, rest = error.split(StartupError)
-        if startup is None or rest is not None:
-            return None
-        error = startup.exceptions[0]
-    return error if isinstance(error, StartupError) else None
+    return sole_error(error, StartupError)
 
 
 class Daemon:
@@ -132,20 +127,22 @@ class Daemon:
         self.telemetry: TelemetryPusher | None = None
         self._handle_signals = handle_signals
         self._pynvml = pynvml_module
+        self._signals = SignalWatcher(self.stop, self._shutdown_plan)
 
-    async def _watch_signals(self, task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            task_status.started()
-            async for signum in signals:
-                if self.stop.is_set():
-                    log.warning("second %s: stopping now", signal.Signals(signum).name)
-                    raise KeyboardInterrupt
-                log.info("%s: shutting down gracefully", signal.Signals(signum).name)
-                self.stop.set()
+    def _shutdown_plan(self) -> str:
+        """What a graceful stop waits for, in words, at the moment it is asked for."""
+        counts = self.supervisor.counts() if self.supervisor is not None else {}
+        left = counts.get(InvocationState.queued, 0) + counts.get(InvocationState.running, 0)
+        if not left:
+            return "stopping; no invocation is running"
+        plural = "" if left == 1 else "s"
+        grace = self.config.shutdown_grace
+        return f"stopping; waiting up to {grace:g}s for {left} invocation{plural} to finish"
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until `stop`; a start-up that cannot proceed raises a bare StartupError
-        (not wrapped in the nurseries' exception groups) so callers can name it."""
+        (not wrapped in the nurseries' exception groups) so callers can name it, and a
+        second signal ends it early with a bare `ForcedStop`."""
         try:
             await self._run(task_status)
         except BaseExceptionGroup as group:
@@ -159,38 +156,49 @@ class Daemon:
             prepare_state_dir(pathlib.Path(self.config.state_dir))
         except StateDirError as exc:
             raise StartupError(str(exc)) from exc
-        self._app = app = create_app(self.context)
         async with trio.open_nursery() as outer:
             if self._handle_signals and threading.current_thread() is threading.main_thread():
-                await outer.start(self._watch_signals)
-            try:
-                async with trio.open_nursery() as components:
+                await outer.start(self._signals.run)
+            with self._signals.work:
+                await self._serve(task_status)
+            outer.cancel_scope.cancel()  # the signal watcher never ends by itself
+        self._signals.raise_if_forced()
+        log.info("stopped")
+
+    async def _serve(self, task_status: trio.TaskStatus[str]) -> None:
+        self._app = app = create_app(self.context)
+        try:
+            async with trio.open_nursery() as components:
+                try:
                     addresses = await components.start(
                         serve_http, app, self.context.http, self.stop
                     )
-                    self.url = addresses[0]
-                    self.readiness.done("http")
-                    log.info("listening on %s", self.url)
-                    await self._start_components(components)
-                    notify("READY=1")
-                    task_status.started(self.url)
-                    await self.stop.wait()
-                    notify("STOPPING=1")
-                    components.cancel_scope.deadline = (
-                        trio.current_time() + self.config.shutdown_grace + SHUTDOWN_MARGIN
-                    )
-                    if self.context.events is not None:
-                        # Event streams end cleanly now, inside the server's grace period.
-                        self.context.events.close()
-                    if self.supervisor is not None:
-                        await self.supervisor.shutdown(self.config.shutdown_grace)
-                    components.cancel_scope.cancel()
-            finally:
-                with trio.move_on_after(10, shield=True):
-                    if self.machine is not None:
-                        await self.machine.aclose()
-            outer.cancel_scope.cancel()  # the signal watcher never ends by itself
-        log.info("stopped")
+                except BaseException as raised:  # re-raised unless the bind itself failed
+                    if (taken := sole_error(raised, OSError)) is None:
+                        raise
+                    why = taken.strerror or str(taken)
+                    raise StartupError(f"cannot listen on {self.config.listen}: {why}") from taken
+                self.url = addresses[0]
+                self.readiness.done("http")
+                log.info("listening on %s", self.url)
+                await self._start_components(components)
+                notify("READY=1")
+                task_status.started(self.url)
+                await self.stop.wait()
+                notify("STOPPING=1")
+                components.cancel_scope.deadline = (
+                    trio.current_time() + self.config.shutdown_grace + SHUTDOWN_MARGIN
+                )
+                if self.context.events is not None:
+                    # Event streams end cleanly now, inside the server's grace period.
+                    self.context.events.close()
+                if self.supervisor is not None:
+                    await self.supervisor.shutdown(self.config.shutdown_grace)
+                components.cancel_scope.cancel()
+        finally:
+            with trio.move_on_after(10, shield=True):
+                if self.machine is not None:
+                    await self.machine.aclose()
 
     async def _start_components(self, nursery: trio.Nursery) -> None:
         config = self.config

@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
 from node.machine.cgroups import (
@@ -37,6 +36,7 @@ from node.machine.cgroups import (
     InvocationCgroup,
     system_cgroups,
 )
+from node.machine.proc import process_start_ticks
 from node.machine.procgroup import terminate_group
 from supervisor.output import OutputRing, pump
 from supervisor.sandbox import SandboxSpec, bwrap_argv
@@ -386,7 +386,7 @@ async def run_process(
     *,
     stdout: OutputRing,
     stderr: OutputRing,
-    on_started: Callable[[int, float], Awaitable[None]],
+    on_started: Callable[[int, int | None], Awaitable[None]],
     kill_grace: float = 5.0,
     cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
     parent_env: Mapping[str, str] | None = None,
@@ -394,8 +394,8 @@ async def run_process(
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
-    `on_started(pid, create_time)` is awaited right after spawn and before the
-    argv runs (the child waits for it); (pid, create_time) identifies the
+    `on_started(pid, start_ticks)` is awaited right after spawn and before the
+    argv runs (the child waits for it); (pid, start_ticks) identifies the
     process even after pid reuse. If it raises, the child is killed without
     ever running the argv. `cgroups=None` never uses cgroups; `parent_env`
     defaults to os.environ. `on_usage` gets the cgroup's own counters (CPU time,
@@ -455,8 +455,8 @@ async def run_process(
 
     try:
         try:
-            # Not reaped yet, so psutil can read it even if it already exited.
-            await on_started(proc.pid, psutil.Process(proc.pid).create_time())
+            # Not reaped yet, so /proc still shows it even if it already exited.
+            await on_started(proc.pid, process_start_ticks(proc.pid))
             os.write(gate_write, b"\n")
         except BaseException:
             # Kill before the pipe closes: a closed gate must never let the argv run.

@@ -60,10 +60,10 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
     ledger = sup.machine.ledger
     lanes = [lane for g in reservation.lanes if (lane := ledger.lane(g.lane_id)) is not None]
 
-    async def started(pid: int, start_time: float) -> None:
+    async def started(pid: int, start_ticks: int | None) -> None:
         # Awaited before the guest's argv runs: a crash from here on finds the
         # record, and a failed write means the argv never runs.
-        await sup.machine.process_started(inv.id, pid, start_time)
+        await sup.machine.process_started(inv.id, pid, start_ticks)
         inv.pid = pid
 
     with guest_session(

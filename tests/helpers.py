@@ -65,16 +65,25 @@ def _drain(stream: object, lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-def wait_for_line(proc: subprocess.Popen[str], pattern: str, timeout: float = 20.0) -> str:
-    """Wait for a stderr line of a `spawned` child to match; returns the first group."""
+def _stderr_lines(proc: subprocess.Popen[str], timeout: float) -> Iterator[str | None]:
+    """A `spawned` child's stderr lines as they come; None once it has ended.
+    Stops without None when `timeout` passes first."""
     lines = _LINES[proc.pid]
     deadline = time.monotonic() + timeout
-    seen = []
     while (left := deadline - time.monotonic()) > 0:
         try:
             line = lines.get(timeout=left)
         except queue.Empty:
-            break
+            return
+        yield line
+        if line is None:
+            return
+
+
+def wait_for_line(proc: subprocess.Popen[str], pattern: str, timeout: float = 20.0) -> str:
+    """Wait for a stderr line of a `spawned` child to match; returns the first group."""
+    seen = []
+    for line in _stderr_lines(proc, timeout):
         if line is None:
             break
         seen.append(line)
@@ -124,3 +133,11 @@ def _dump(lines: queue.Queue[str | None]) -> None:
 def stop(proc: subprocess.Popen[str], signum: int, timeout: float = 20.0) -> int:
     proc.send_signal(signum)
     return proc.wait(timeout=timeout)
+
+
+def rest_of_stderr(proc: subprocess.Popen[str], timeout: float = 20.0) -> list[str]:
+    """Every stderr line of a `spawned` child not read yet, up to its end."""
+    seen = list(_stderr_lines(proc, timeout))
+    if not seen or seen[-1] is not None:
+        raise AssertionError("stderr did not end; got:\n" + "".join(x or "" for x in seen))
+    return [line.rstrip("\n") for line in seen if line is not None]

@@ -98,7 +98,10 @@ class ReleaseRecord(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
 class ProcessStartedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="process_started"):
     reservation_id: str
     pid: int
-    start_time: float  # psutil create_time(): tells a reused pid apart
+    # Tells a reused pid apart: /proc/<pid>/stat starttime, clock ticks since boot.
+    start_ticks: int | None = None
+    # Older records: psutil create_time(), wall-clock seconds (it shifts with the clock).
+    start_time: float = 0.0
 
 
 class ProcessEndedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="process_ended"):
@@ -123,7 +126,8 @@ _decoder = msgspec.msgpack.Decoder(Record)
 class ProcessRecord(msgspec.Struct, frozen=True, kw_only=True):
     reservation_id: str
     pid: int
-    start_time: float
+    start_ticks: int | None = None
+    start_time: float = 0.0  # only in records written before start_ticks existed
 
 
 class JournalReplay(msgspec.Struct, frozen=True, kw_only=True):
@@ -216,8 +220,10 @@ class _State:
                 self.reservations[r.reservation_id] = r
             case ReleaseRecord(reservation_id=rid):
                 self.reservations.pop(rid, None)
-            case ProcessStartedRecord(reservation_id=rid, pid=pid, start_time=t):
-                self.processes[pid] = ProcessRecord(reservation_id=rid, pid=pid, start_time=t)
+            case ProcessStartedRecord(reservation_id=rid, pid=pid, start_ticks=k, start_time=t):
+                self.processes[pid] = ProcessRecord(
+                    reservation_id=rid, pid=pid, start_ticks=k, start_time=t
+                )
             case ProcessEndedRecord(pid=pid):
                 self.processes.pop(pid, None)
             case EndedRecord(invocation_id=iid):
@@ -244,7 +250,10 @@ class _State:
         out: list[Record] = [ReserveRecord(reservation=r) for r in self.reservations.values()]
         out.extend(
             ProcessStartedRecord(
-                reservation_id=p.reservation_id, pid=p.pid, start_time=p.start_time
+                reservation_id=p.reservation_id,
+                pid=p.pid,
+                start_ticks=p.start_ticks,
+                start_time=p.start_time,
             )
             for p in self.processes.values()
         )
@@ -494,9 +503,13 @@ class Journal:
     def record_release(self, reservation_id: str) -> None:
         self._append(ReleaseRecord(reservation_id=reservation_id))
 
-    def record_process_started(self, reservation_id: str, pid: int, start_time: float) -> None:
+    def record_process_started(
+        self, reservation_id: str, pid: int, start_ticks: int | None
+    ) -> None:
+        """`start_ticks`: `node.machine.proc.process_start_ticks(pid)`, read before the
+        process could be reaped (None when /proc could not tell)."""
         self._append(
-            ProcessStartedRecord(reservation_id=reservation_id, pid=pid, start_time=start_time)
+            ProcessStartedRecord(reservation_id=reservation_id, pid=pid, start_ticks=start_ticks)
         )
 
     def record_process_ended(self, reservation_id: str, pid: int) -> None:

@@ -224,9 +224,10 @@ class Machine:
             log.warning("journal release of %s failed: %s", reservation_id, exc)
         return reservation
 
-    async def process_started(self, reservation_id: str, pid: int, start_time: float) -> None:
+    async def process_started(self, reservation_id: str, pid: int, start_ticks: int | None) -> None:
+        """`start_ticks`: `node.machine.proc.process_start_ticks(pid)` read at spawn."""
         await self._journal(
-            functools.partial(self.journal.record_process_started, reservation_id, pid, start_time)
+            functools.partial(self.journal.record_process_started, reservation_id, pid, start_ticks)
         )
 
     async def process_ended(self, reservation_id: str, pid: int) -> None:

@@ -23,7 +23,7 @@ __all__ = [
     "ProcStat",
     "iter_stats",
     "parse_stat",
-    "process_cgroup",
+    "process_cgroups",
     "process_start_ticks",
     "read_stat",
 ]
@@ -103,10 +103,11 @@ def iter_stats(proc_root: Path = PROC_ROOT) -> Iterator[ProcStat] | None:
     )
 
 
-def process_cgroup(pid: int, proc_root: Path = PROC_ROOT) -> str | None:
-    """The cgroup v2 path of `pid` ("0::" line of /proc/<pid>/cgroup), or None."""
+def process_cgroups(pid: int, proc_root: Path = PROC_ROOT) -> list[str] | None:
+    """The cgroup path of `pid` in every hierarchy (v2 and each v1 one), or None."""
     try:
         text = (proc_root / str(pid) / "cgroup").read_text()
     except (OSError, UnicodeDecodeError):
         return None
-    return next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
+    # "hierarchy-id:controllers:path"; the path may itself hold ":".
+    return [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2]

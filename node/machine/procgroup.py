@@ -1,10 +1,16 @@
-"""Ending a process group: SIGTERM, a grace period for it to empty, then SIGKILL.
+"""Ending process groups: SIGTERM, a grace period for them to empty, then SIGKILL.
 
 Shared by the supervisor (which ends the groups it started) and by reconcile
 after a restart (which ends the groups a dead daemon left behind). "Empty"
 means no member that is not a zombie: a zombie holds no resources, and an
 orphaned one is reaped only when init gets to it (lazily by some container
 inits, never by a daemon running as PID 1 without one).
+
+Several groups are ended together: all get SIGTERM at once and share one
+grace period, so N stubborn groups take one grace, not N.
+
+`signal_group` refuses a group id of 1 or less and the daemon's own group:
+kill(-1) reaches every process, kill(0) the daemon's own group.
 """
 
 from __future__ import annotations
@@ -12,20 +18,23 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Collection
 
 import trio
+
+from node.machine.proc import ProcStat, iter_stats
 
 __all__ = [
     "KILL_WAIT_SECONDS",
     "POLL_SECONDS",
-    "GroupMember",
     "group_has_live_member",
     "group_members",
+    "live_groups",
     "signal_group",
     "terminate_group",
+    "terminate_groups",
     "wait_group_gone",
+    "wait_groups_gone",
 ]
 
 log = logging.getLogger(__name__)
@@ -35,15 +44,14 @@ POLL_SECONDS = 0.05
 KILL_WAIT_SECONDS = 3.0
 
 
-class GroupMember(NamedTuple):
-    """One live (not zombie) process of a group, as /proc described it."""
-
-    pid: int
-    session: int
-
-
 def signal_group(pgid: int, signum: int) -> bool:
-    """Send `signum` to the group; False if the group no longer exists."""
+    """Send `signum` to the group; False if the group no longer exists.
+
+    Raises ValueError for a group id that is not a process group we could have
+    started: <= 1 (kill(-1) is every process, killpg(0) our own group) or ours.
+    """
+    if pgid <= 1 or pgid == os.getpgrp():
+        raise ValueError(f"refusing to signal process group {pgid}")
     try:
         os.killpg(pgid, signum)
     except ProcessLookupError:
@@ -51,58 +59,55 @@ def signal_group(pgid: int, signum: int) -> bool:
     return True
 
 
-def _scan(pgid: int, *, first_only: bool) -> list[GroupMember] | None:
-    """Live members of `pgid` from /proc; None if /proc cannot be listed."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    found: list[GroupMember] = []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                # After "(comm)", which may itself contain ")": state, ppid, pgrp, session, ...
-                state, _ppid, pgrp, session = stat.read().rsplit(b")", 1)[1].split()[:4]
-            if int(pgrp) == pgid and state not in (b"Z", b"X"):
-                found.append(GroupMember(int(entry), int(session)))
-                if first_only:
-                    return found
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-    return found
+def live_groups(pgids: Collection[int]) -> set[int]:
+    """Those of `pgids` that still have a live (not zombie) member.
+
+    kill(-pgid, 0) alone counts zombies, so /proc is scanned as well, once for
+    all of them. When /proc cannot be read every group counts as alive.
+    """
+    existing = {pgid for pgid in pgids if signal_group(pgid, 0)}
+    if not existing:
+        return set()
+    stats = iter_stats()
+    if stats is None:
+        return existing
+    return {stat.pgrp for stat in stats if stat.alive and stat.pgrp in existing}
 
 
-def group_members(pgid: int) -> list[GroupMember]:
+def group_members(pgid: int) -> list[ProcStat]:
     """The group's live (not zombie) members; [] when it has none or /proc is unreadable."""
     if not signal_group(pgid, 0):
         return []
-    return _scan(pgid, first_only=False) or []
+    stats = iter_stats()
+    return [] if stats is None else [s for s in stats if s.alive and s.pgrp == pgid]
 
 
 def group_has_live_member(pgid: int) -> bool:
-    """True while a process of the group exists that is not a zombie.
+    """True while a process of the group exists that is not a zombie."""
+    return bool(live_groups((pgid,)))
 
-    kill(-pgid, 0) alone counts zombies, so /proc is scanned as well.
-    """
-    if not signal_group(pgid, 0):
-        return False
-    found = _scan(pgid, first_only=True)
-    return True if found is None else bool(found)  # cannot tell: assume alive
+
+async def wait_groups_gone(pgids: Collection[int], seconds: float) -> set[int]:
+    """Wait up to `seconds` for every group to empty; returns those still alive."""
+    left = live_groups(pgids)
+    with trio.move_on_after(seconds):
+        # The kernel offers no event for "group empty" (a pidfd covers one process).
+        while left:
+            await trio.sleep(POLL_SECONDS)
+            left = live_groups(left)
+    return left
 
 
 async def wait_group_gone(pgid: int, seconds: float, leader: trio.Process | None = None) -> bool:
     """Wait up to `seconds` for the group to empty; `leader`, our own child, is reaped."""
-    with trio.move_on_after(seconds):
-        if leader is not None:
-            # Our own child stays a zombie (still a group member) until reaped.
+    deadline = trio.current_time() + seconds
+    if leader is not None:
+        # Our own child stays a zombie (still a group member) until reaped.
+        with trio.move_on_at(deadline):
             await leader.wait()
-        # The kernel offers no event for "group empty" (a pidfd covers one process).
-        while group_has_live_member(pgid):  # noqa: ASYNC110
-            await trio.sleep(POLL_SECONDS)
-        return True
-    return False
+        if leader.returncode is None:
+            return False
+    return not await wait_groups_gone((pgid,), max(0.0, deadline - trio.current_time()))
 
 
 async def terminate_group(
@@ -111,14 +116,10 @@ async def terminate_group(
     *,
     leader: trio.Process | None = None,
     kill_wait: float = KILL_WAIT_SECONDS,
-    still_ours: Callable[[], bool] | None = None,
 ) -> bool:
     """SIGTERM the process group, wait up to `grace` for it to empty, then SIGKILL.
 
     `leader`, when the group leader is our own child, is reaped along the way.
-    `still_ours`, when given, is asked right before SIGKILL; False means the
-    group id no longer names the group meant (it emptied and the id was
-    reused), so nothing more is sent and the group counts as gone.
     Returns True once the group is empty, False if it survived SIGKILL for
     `kill_wait` seconds (logged; like Slurm's "kill task failed", the caller
     should treat what it held as suspect). Callers on a cancellation path run
@@ -128,12 +129,39 @@ async def terminate_group(
         return True
     if await wait_group_gone(pgid, grace, leader):
         return True
-    if still_ours is not None and not still_ours():
-        log.warning("process group %d changed hands during its grace period; left alone", pgid)
-        return True
     log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
     signal_group(pgid, signal.SIGKILL)
     if await wait_group_gone(pgid, kill_wait, leader):
         return True
     log.error("process group %d survived SIGKILL", pgid)
     return False
+
+
+async def terminate_groups(
+    pgids: Collection[int],
+    grace: float,
+    *,
+    kill_wait: float = KILL_WAIT_SECONDS,
+    still_ours: Callable[[int], bool],
+) -> set[int]:
+    """End several groups at once: SIGTERM to all, one `grace` for all, then SIGKILL.
+
+    `still_ours(pgid)` is asked right before SIGKILL; False means the group id
+    no longer names the group meant (it emptied and the id was reused), so
+    nothing more is sent to it. Returns the groups still alive `kill_wait`
+    seconds after SIGKILL (each logged). The whole takes at most about
+    grace + kill_wait, however many groups there are.
+    """
+    signalled = {pgid for pgid in pgids if signal_group(pgid, signal.SIGTERM)}
+    left = await wait_groups_gone(signalled, grace)
+    changed = {pgid for pgid in left if not still_ours(pgid)}
+    for pgid in sorted(changed):
+        log.warning("process group %d changed hands during its grace period; left alone", pgid)
+    left -= changed
+    for pgid in sorted(left):
+        log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
+        signal_group(pgid, signal.SIGKILL)
+    survivors = await wait_groups_gone(left, kill_wait)
+    for pgid in sorted(survivors):
+        log.error("process group %d survived SIGKILL", pgid)
+    return survivors

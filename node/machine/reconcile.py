@@ -1,20 +1,29 @@
 """After a restart: end what a dead daemon left running and release what it held.
 
-For each process the journal recorded as started and not ended, the pid AND
-its start time (psutil create_time) must both match before anything is
-signalled: a reused pid belongs to someone else and is never killed. The
-supervisor starts every invocation in its own session, so the recorded
-process leads a process group (pgid == pid) and its descendants - a shell's
-backgrounded children, say - are members of it. A match gets the whole group
-ended: SIGTERM, a grace period for the group to empty, then SIGKILL.
+The journal says which processes were started and not ended; reconcile
+signals one only once /proc shows it is ours. It is ours if all of these hold:
 
-The leader may be gone while members of its group live on (it exited, or was
-killed with the daemon, and left children behind). The group id cannot be
-reused while any member exists, but once the group empties it can: so the
-group is ended only if every live member is one of ours - in the recorded
-session (sid == pgid) and started no earlier than the recorded process (all
-of our group descends from it). A group with an older member, or one from
-another session, is someone else's and is never touched.
+- the pid is > 1 and is not the daemon's own pid, group or session;
+- it started at the recorded instant: its /proc/<pid>/stat start time, in
+  clock ticks since boot, equals the recorded one, so a reused pid is never
+  taken for ours. Ticks do not move when the wall clock is stepped (psutil's
+  create_time() does; it is only used for records written before ticks were);
+- it leads its own session and group (sid == pgid == pid), as every
+  invocation the supervisor starts does for its whole life;
+- it is in no other invocation's cgroup (`litegraph-<other id>`, in the v2
+  hierarchy or any v1 one).
+
+A process that is ours gets its whole group ended: its descendants (a
+shell's backgrounded children, say) are members of it. The leader may be
+gone while members live on; the group id cannot be reused while any member
+exists, but once the group empties it can: so the group is ended only if
+every live member is ours - in the recorded session, started no earlier than
+the recorded process (all of our group descends from it) and in no other
+invocation's cgroup. Anything else is spared, with the reason logged.
+
+All groups to end get SIGTERM at once and share one grace period, then the
+survivors (each checked again) get SIGKILL: N stubborn groups take one grace,
+not N, so start-up stays within systemd's start timeout.
 
 Invocations are ephemeral, so every reservation from before the restart is
 released (and the release journaled) once its processes are gone; one whose
@@ -25,29 +34,42 @@ so its resources are not handed out twice.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
+import math
 import os
-import signal
 
 import msgspec
 import psutil  # type: ignore[import-untyped,unused-ignore]
-import trio
 
+from node.machine.cgroups.common import PREFIX as CGROUP_PREFIX
 from node.machine.journal import Journal, ProcessRecord
 from node.machine.ledger import Ledger
-from node.machine.procgroup import GroupMember, group_members, terminate_group
+from node.machine.proc import ProcStat, process_cgroups, read_stat
+from node.machine.procgroup import group_members, terminate_groups
 
-__all__ = ["ReconcileReport", "reconcile"]
+__all__ = ["ReconcileReport", "SpareReason", "Spared", "reconcile"]
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05
+
+class SpareReason(enum.StrEnum):
+    INVALID_PID = "invalid_pid"  # <= 1: not a process the supervisor could have started
+    DAEMON_ITSELF = "daemon_itself"  # the daemon's own pid, group or session
+    NO_START_TIME = "no_start_time"  # recorded without one: cannot be told apart
+    PID_REUSED = "pid_reused"  # the pid names a process started at another time
+    NOT_SESSION_LEADER = "not_session_leader"  # not sid == pgid == pid, as ours always are
+    OTHER_CGROUP = "other_cgroup"  # in another invocation's cgroup
+    GROUP_REUSED = "group_reused"  # leader gone; its group id now holds others' processes
+
+
+class Spared(msgspec.Struct, frozen=True):
+    pid: int
+    reason: SpareReason
 
 
 class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
-    terminated: tuple[int, ...] = ()  # matched (or its group outlived it) and ended by us
-    reused: tuple[int, ...] = ()  # pid or group id now someone else's: left alone
+    terminated: tuple[int, ...] = ()  # ours (or its group outlived it) and ended by us
+    spared: tuple[Spared, ...] = ()  # not ours, or not to be trusted: never signalled
     gone: tuple[int, ...] = ()  # already exited, nothing of its group left
     unkillable: tuple[int, ...] = ()  # something of it still alive after SIGKILL
     released: tuple[str, ...] = ()
@@ -55,113 +77,85 @@ class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Found(enum.Enum):
-    GONE = "gone"  # leader gone, its group empty
-    REUSED = "reused"  # the pid or the group id names someone else's now
-    GROUP = "group"  # a group of ours (leader alive or not) to end
-    SINGLE = "single"  # our process, alive, but not leading a group of its own
+    GONE = "gone"  # the recorded process and its whole group have exited
+    GROUP = "group"  # ours: end its group
 
 
-def _matches(pid: int, start_time: float, tolerance: float) -> bool | None:
-    """True: our process, alive. False: pid reused by another. None: gone."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        created = proc.create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+def _expected_ticks(record: ProcessRecord, tolerance: float) -> tuple[int, int] | None:
+    """(start ticks, allowed difference), or None when the record has no start time."""
+    if record.start_ticks is not None:
+        return record.start_ticks, 0
+    if record.start_time <= 0:
         return None
-    except psutil.AccessDenied:
-        return False  # not ours to judge, so never ours to kill
-    return bool(abs(float(created) - start_time) <= tolerance)
+    # An older record's wall-clock time, turned back into ticks as psutil made it.
+    clock = os.sysconf("SC_CLK_TCK")
+    ticks = round((record.start_time - float(psutil.boot_time())) * clock)
+    return ticks, math.ceil(tolerance * clock)
 
 
-def _member_is_ours(member: GroupMember, record: ProcessRecord, tolerance: float) -> bool:
-    """Of the recorded process's session and no older than it (else: pid/pgid reuse)."""
-    if member.session != record.pid:
-        return False
-    try:
-        created = float(psutil.Process(member.pid).create_time())
-    except psutil.NoSuchProcess:
-        return True  # exited meanwhile: nothing of anyone's to protect
-    except psutil.AccessDenied:
-        return False
-    return created >= record.start_time - tolerance
+def _daemon_ids() -> set[int]:
+    return {os.getpid(), os.getpgrp(), os.getsid(0)}
 
 
-def _find(record: ProcessRecord, tolerance: float) -> _Found:
-    leader = _matches(record.pid, record.start_time, tolerance)
-    if leader is False:
-        # The pid was reused, so its group had emptied first: nothing of ours is left.
-        return _Found.REUSED
-    if leader is True:
-        try:
-            if os.getpgid(record.pid) != record.pid:
-                return _Found.SINGLE
-            return _Found.GROUP
-        except ProcessLookupError:
-            pass  # exited just now: look at what it left behind
-    members = group_members(record.pid)
+def _in_other_cgroup(pid: int, reservation_id: str) -> bool:
+    """In an invocation cgroup (v2, or any v1 hierarchy) that is not this one's."""
+    names = {
+        part
+        for path in process_cgroups(pid) or ()
+        for part in path.split("/")
+        if part.startswith(CGROUP_PREFIX)
+    }
+    return bool(names - {f"{CGROUP_PREFIX}{reservation_id}"})
+
+
+def _member_spared(member: ProcStat, record: ProcessRecord, earliest: int) -> SpareReason | None:
+    """Why a live member of the recorded group is not ours, or None if it is."""
+    if member.pid in _daemon_ids():
+        return SpareReason.DAEMON_ITSELF
+    if member.session != record.pid or member.start_ticks < earliest:
+        return SpareReason.GROUP_REUSED
+    if _in_other_cgroup(member.pid, record.reservation_id):
+        return SpareReason.OTHER_CGROUP
+    return None
+
+
+def _judge(record: ProcessRecord, tolerance: float) -> _Found | SpareReason:
+    """End its group, gone, or why it is spared; judged from /proc alone."""
+    pid = record.pid
+    if pid <= 1:
+        return SpareReason.INVALID_PID
+    if pid in _daemon_ids():
+        return SpareReason.DAEMON_ITSELF
+    expected = _expected_ticks(record, tolerance)
+    if expected is None:
+        return SpareReason.NO_START_TIME
+    ticks, slack = expected
+    leader = read_stat(pid)
+    if leader is not None and abs(leader.start_ticks - ticks) > slack:
+        # Our pid is someone else's, so our group had emptied first (a group id
+        # stays taken while it has members): nothing of ours is left.
+        return SpareReason.PID_REUSED
+    if leader is not None and leader.alive:
+        if not leader.session == leader.pgrp == pid:
+            return SpareReason.NOT_SESSION_LEADER
+        if _in_other_cgroup(pid, record.reservation_id):
+            return SpareReason.OTHER_CGROUP
+        return _Found.GROUP
+    # The leader is gone (or an unreaped zombie): look at what it left behind.
+    members = group_members(pid)
     if not members:
         return _Found.GONE
-    if all(_member_is_ours(m, record, tolerance) for m in members):
-        return _Found.GROUP
-    log.warning(
-        "reconcile: process group %d now holds processes %s not started by process %d of "
-        "reservation %s (group id reused): left alone",
-        record.pid,
-        [m.pid for m in members],
-        record.pid,
-        record.reservation_id,
-    )
-    return _Found.REUSED
-
-
-def _still_ours(record: ProcessRecord, tolerance: float) -> bool:
-    return _find(record, tolerance) is not _Found.REUSED
-
-
-def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-async def _wait_gone(record: ProcessRecord, seconds: float, tolerance: float) -> bool:
-    # Not our child, so there is nothing to wait on: poll /proc, bounded by `seconds`.
-    deadline = trio.current_time() + seconds
-    while trio.current_time() < deadline:
-        if not _matches(record.pid, record.start_time, tolerance):
-            return True
-        await trio.sleep(_POLL_S)
-    return not _matches(record.pid, record.start_time, tolerance)
-
-
-async def _end_single(
-    record: ProcessRecord, grace: float, kill_wait: float, tolerance: float
-) -> bool:
-    # Not a group leader (never so for what the supervisor starts): end it alone.
-    _signal(record.pid, signal.SIGTERM)
-    if await _wait_gone(record, grace, tolerance):
-        return True
-    # Re-check right before SIGKILL: the pid must still be ours.
-    if _matches(record.pid, record.start_time, tolerance):
-        _signal(record.pid, signal.SIGKILL)
-    return await _wait_gone(record, kill_wait, tolerance)
-
-
-async def _end(
-    record: ProcessRecord, found: _Found, grace: float, kill_wait: float, tolerance: float
-) -> bool:
-    if found is _Found.SINGLE:
-        return await _end_single(record, grace, kill_wait, tolerance)
-    return await terminate_group(
-        record.pid,
-        grace,
-        kill_wait=kill_wait,
-        # Right before SIGKILL: the group id must still name our group.
-        still_ours=functools.partial(_still_ours, record, tolerance),
-    )
+    for member in members:
+        reason = _member_spared(member, record, ticks - slack)
+        if reason is not None:
+            log.warning(
+                "reconcile: process group %d holds process %d that is not ours (%s)",
+                pid,
+                member.pid,
+                reason,
+            )
+            return reason
+    return _Found.GROUP
 
 
 async def reconcile(
@@ -172,33 +166,53 @@ async def reconcile(
     kill_wait: float = 2.0,
     start_time_tolerance: float = 0.05,
 ) -> ReconcileReport:
-    """Terminate matching leftovers, then release their reservations (journal and ledger)."""
-    terminated: list[int] = []
-    reused: list[int] = []
+    """End the leftover groups that are ours, then release their reservations
+    (journal and ledger). Takes at most about grace + kill_wait however many
+    groups there are. `start_time_tolerance` applies only to older records
+    that hold a wall-clock start time."""
+    records = {r.pid: r for r in journal.processes().values()}
+    spared: list[Spared] = []
     gone: list[int] = []
-    unkillable: list[int] = []
-    stuck: set[str] = set()
-    for record in journal.processes().values():
-        found = _find(record, start_time_tolerance)
-        if found is _Found.GONE:
-            gone.append(record.pid)
-        elif found is _Found.REUSED:
-            reused.append(record.pid)
-        elif await _end(record, found, grace, kill_wait, start_time_tolerance):
-            terminated.append(record.pid)
-        else:
-            survivors = [m.pid for m in group_members(record.pid)] or [record.pid]
-            log.error(
-                "reconcile: process %d of reservation %s (members still alive: %s) survived "
-                "SIGKILL; keeping the reservation so its resources are not handed out twice",
-                record.pid,
+    to_end: list[int] = []
+    for pid, record in records.items():
+        verdict = _judge(record, start_time_tolerance)
+        if verdict is _Found.GONE:
+            gone.append(pid)
+        elif isinstance(verdict, SpareReason):
+            log.warning(
+                "reconcile: spared pid %d of reservation %s: %s",
+                pid,
                 record.reservation_id,
-                survivors,
+                verdict,
             )
-            unkillable.append(record.pid)
-            stuck.add(record.reservation_id)
-            continue
-        journal.record_process_ended(record.reservation_id, record.pid)
+            spared.append(Spared(pid, verdict))
+        else:
+            to_end.append(pid)
+
+    def still_ours(pgid: int) -> bool:
+        # Right before SIGKILL: the group id must still name our group.
+        return _judge(records[pgid], start_time_tolerance) is _Found.GROUP
+
+    survivors = await terminate_groups(to_end, grace, kill_wait=kill_wait, still_ours=still_ours)
+    stuck: set[str] = set()
+    for pid in sorted(survivors):
+        record = records[pid]
+        log.error(
+            "reconcile: process %d of reservation %s (members still alive: %s) survived "
+            "SIGKILL; keeping the reservation so its resources are not handed out twice",
+            pid,
+            record.reservation_id,
+            [m.pid for m in group_members(pid)] or [pid],
+        )
+        stuck.add(record.reservation_id)
+    terminated = [pid for pid in to_end if pid not in survivors]
+    for pid in terminated:
+        log.info(
+            "reconcile: ended process group %d of reservation %s", pid, records[pid].reservation_id
+        )
+    for pid, record in records.items():
+        if pid not in survivors:
+            journal.record_process_ended(record.reservation_id, pid)
     released: list[str] = []
     kept: list[str] = []
     for reservation_id in journal.reservations():
@@ -208,12 +222,13 @@ async def reconcile(
         journal.record_release(reservation_id)
         if ledger is not None:
             ledger.release(reservation_id)
+        log.info("reconcile: released reservation %s", reservation_id)
         released.append(reservation_id)
     return ReconcileReport(
         terminated=tuple(terminated),
-        reused=tuple(reused),
+        spared=tuple(spared),
         gone=tuple(gone),
-        unkillable=tuple(unkillable),
+        unkillable=tuple(sorted(survivors)),
         released=tuple(released),
         kept=tuple(kept),
     )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import signal
+import socket
 import subprocess
+import time
 
 import httpx
 import msgspec
@@ -12,7 +15,14 @@ import psutil
 import pytest
 
 from node.machine.snapshot import NodeSnapshot
-from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
+from tests.helpers import (
+    clean_env,
+    node_command,
+    rest_of_stderr,
+    spawned,
+    stop,
+    wait_for_line,
+)
 
 LISTENING = r"listening on (http://\S+)"
 
@@ -163,3 +173,64 @@ def test_dev_refuses_an_open_state_dir_with_one_line(tmp_path: pathlib.Path) -> 
         " could read or replace its keys and secrets (chmod 700 it)"
     )
     assert list(state.iterdir()) == []
+
+
+def _submit_a_sleeper(url: str, state: pathlib.Path) -> None:
+    """One invocation that runs for a minute, running by the time this returns."""
+    body = {
+        "id": "sleeper",
+        "work": {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}},
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**20},
+    }
+    with httpx.Client(base_url=url, timeout=5) as client:
+        deadline = time.monotonic() + 20
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+        secret = json.loads((state / "auth.json").read_text())["scheduler"]
+        headers = {"Authorization": f"Bearer {secret}"}
+        assert client.post("/v1/invocations", json=body, headers=headers).status_code == 202
+        while client.get("/v1/invocations/sleeper", headers=headers).json()["state"] != "running":
+            assert time.monotonic() < deadline, "never running"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_second_signal_stops_at_once_with_its_own_status_and_one_line(
+    tmp_path: pathlib.Path, signum: signal.Signals, status: int
+) -> None:
+    state = tmp_path / "state"
+    argv = _serve_argv(state, "--listen", "127.0.0.1:0", "--shutdown-grace", "60")
+    with spawned(argv, clean_env()) as proc:
+        url = wait_for_line(proc, LISTENING)
+        _submit_a_sleeper(url, state)
+        proc.send_signal(signum)
+        # The first signal says what shutdown waits for, and how not to wait.
+        said = wait_for_line(proc, rf"({signum.name}: stopping.*)")
+        assert said == (
+            f"{signum.name}: stopping; waiting up to 60s for 1 invocation to finish"
+            " (Ctrl-C again to stop now)"
+        )
+        proc.send_signal(signum)
+        assert proc.wait(timeout=20) == status
+        rest = rest_of_stderr(proc)
+    assert not any("Traceback" in line or "Error" in line for line in rest), rest
+    assert rest[-1] == (
+        f"litegraph-node: second {signum.name}: stopped at once without waiting for"
+        f" running work (exit status {status})"
+    )
+
+
+def test_a_port_in_use_exits_1_with_one_line(tmp_path: pathlib.Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(
+            "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
+            "--devices", "none",
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if "cannot start" in x]
+    assert line.startswith(f"litegraph-node: cannot start: cannot listen on 127.0.0.1:{port}: ")

@@ -210,3 +210,31 @@ async def test_leftovers_of_a_previous_daemon_are_killed_and_removed() -> None:
         assert inv.name not in restarted.leftovers()
     finally:
         await close(sleeper)
+
+
+# The leader outlives the child the OOM killer picks (v1 kills one process only).
+OOM_IN_A_CHILD = (
+    "import subprocess, sys, time\n"
+    "code = 'b = b\"x\" * (256 << 20)'\n"
+    "print(subprocess.run([sys.executable, '-c', code]).returncode, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["unwatched", "kill_after_oom"])
+async def test_an_oom_kill_ends_the_whole_invocation_when_watched(
+    watched: bool, made: list[InvocationCgroup]
+) -> None:
+    inv = create(made, detect_v1(), memory_bytes=64 * MiB)
+    leader = await start(inv, OOM_IN_A_CHILD)
+    try:
+        assert await read_line(leader) == "-9\n" and inv.usage().oom_killed
+        if watched:
+            with trio.fail_after(5):
+                await inv.kill_after_oom()
+                assert await leader.wait() == -9
+        else:
+            await trio.sleep(0.3)
+            assert leader.returncode is None and leader.pid in inv.pids()
+    finally:
+        await close(leader)

@@ -7,9 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
+import trio
 
 from node.machine.cgroups import (
     CgroupError,
+    CgroupKillFailed,
     CgroupLimits,
     Cgroups,
     CgroupsUnavailable,
@@ -222,3 +224,36 @@ async def test_kill_on_the_real_unified_tree_reaches_a_setsid_grandchild(
     finally:
         assert await inv.remove()
     assert not path.exists()
+
+
+# Above the kernel's PID_MAX_LIMIT: can never name a real process.
+NO_SUCH_PID = 4_194_305
+
+
+async def test_a_cgroup_that_never_empties_raises_and_stays(
+    tmp_path: Path, autojump_clock: object
+) -> None:
+    fake = FakeCgroupV2(tmp_path)
+    cgroups = detect(fake)
+    inv = cgroups.create("stuck", LIMITS)
+    (inv.dirs["unified"] / "cgroup.procs").write_text(f"{NO_SUCH_PID}\n")
+    with pytest.raises(CgroupKillFailed) as caught:
+        await inv.kill(within=3)
+    assert caught.value.pids == {NO_SUCH_PID}
+    assert (inv.dirs["unified"] / "cgroup.freeze").read_text() == "0"  # thawed again
+    assert not await inv.remove(within=3)
+    assert cgroups.leftovers() == ["stuck"]
+    assert await cgroups.remove_leftovers() == []
+
+
+async def test_kill_after_oom_returns_when_the_cgroup_is_gone(
+    tmp_path: Path, autojump_clock: object
+) -> None:
+    fake = FakeCgroupV2(tmp_path)
+    inv = detect(fake).create("a", LIMITS)
+    with trio.move_on_after(1) as idle:
+        await inv.kill_after_oom()
+    assert idle.cancelled_caught  # no OOM: it keeps watching
+    assert await inv.remove()
+    with trio.fail_after(1):
+        await inv.kill_after_oom()

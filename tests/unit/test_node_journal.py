@@ -11,7 +11,6 @@ import time
 import zlib
 from pathlib import Path
 
-import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import trio
 
@@ -26,7 +25,8 @@ from node.machine.journal import (
 )
 from node.machine.lanes import Isolation, LaneKind, Requirement
 from node.machine.ledger import LaneGrant, Reservation
-from node.machine.reconcile import reconcile
+from node.machine.proc import process_start_ticks
+from node.machine.reconcile import Spared, SpareReason, reconcile
 
 
 def reservation(rid: str, cpu: int = 100) -> Reservation:
@@ -56,11 +56,11 @@ def test_round_trip_and_mode(tmp_path: Path) -> None:
     journal.record_reserve(reservation("a"))
     journal.record_reserve(reservation("b"))
     journal.record_release("a")
-    journal.record_process_started("b", 4242, 1234.5)
+    journal.record_process_started("b", 4242, 1234)
     journal.close()
     _, replay = Journal.open(tmp_path / "state")
     assert replay.reservations == {"b": reservation("b")}
-    assert replay.processes[4242].start_time == 1234.5
+    assert replay.processes[4242].start_ticks == 1234
     assert replay.problem is None
 
 
@@ -285,8 +285,7 @@ async def test_reconcile_kills_matching_process(tmp_path: Path) -> None:
     try:
         journal, _ = Journal.open(tmp_path)
         journal.record_reserve(reservation("inv-1"))
-        start = psutil.Process(proc.pid).create_time()
-        journal.record_process_started("inv-1", proc.pid, start)
+        journal.record_process_started("inv-1", proc.pid, process_start_ticks(proc.pid))
         journal.close()  # the daemon "dies" here
         journal, replay = Journal.open(tmp_path)
         assert set(replay.reservations) == {"inv-1"}
@@ -308,10 +307,12 @@ async def test_reconcile_never_kills_a_reused_pid(tmp_path: Path) -> None:
     try:
         journal, _ = Journal.open(tmp_path)
         journal.record_reserve(reservation("inv-2"))
-        start = psutil.Process(proc.pid).create_time()
-        journal.record_process_started("inv-2", proc.pid, start - 100.0)  # another process's time
+        start = process_start_ticks(proc.pid)
+        assert start is not None
+        journal.record_process_started("inv-2", proc.pid, start - 1)  # another process's time
         report = await reconcile(journal, grace=0.5)
-        assert report.reused == (proc.pid,) and report.terminated == ()
+        assert report.spared == (Spared(proc.pid, SpareReason.PID_REUSED),)
+        assert report.terminated == ()
         assert report.released == ("inv-2",)  # our process is gone; its resources are free
         assert proc.poll() is None
         journal.close()
@@ -326,7 +327,7 @@ async def test_reconcile_sigkills_after_grace(tmp_path: Path) -> None:
         await trio.sleep(0.2)  # let the shell install its trap
         journal, _ = Journal.open(tmp_path)
         journal.record_reserve(reservation("inv-3"))
-        journal.record_process_started("inv-3", proc.pid, psutil.Process(proc.pid).create_time())
+        journal.record_process_started("inv-3", proc.pid, process_start_ticks(proc.pid))
         report = await reconcile(journal, grace=0.3, kill_wait=3.0)
         assert report.terminated == (proc.pid,)
         assert await wait_exit(proc) == -signal.SIGKILL
@@ -339,7 +340,7 @@ async def test_reconcile_sigkills_after_grace(tmp_path: Path) -> None:
 
 async def test_reconcile_gone_process_releases(tmp_path: Path) -> None:
     proc = spawn_sleep()
-    start = psutil.Process(proc.pid).create_time()
+    start = process_start_ticks(proc.pid)
     proc.kill()
     proc.wait()
     journal, _ = Journal.open(tmp_path)
@@ -389,7 +390,7 @@ def test_a_failed_write_is_truncated_away_and_later_records_survive(
     assert journal.write_problem is not None and "No space left" in journal.write_problem
     # Space returns: the records after the failure are readable after a restart.
     journal.record_reserve(reservation("b"))
-    journal.record_process_started("b", 4242, 1.0)
+    journal.record_process_started("b", 4242, 1)
     assert journal.write_problem is None
     journal.close()
     _, replay = Journal.open(tmp_path)

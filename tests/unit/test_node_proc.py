@@ -5,10 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
-from node.machine.proc import ProcStat, parse_stat, process_start_ticks, read_stat
+from node.machine.proc import (
+    ProcStat,
+    parse_stat,
+    process_cgroups,
+    process_start_ticks,
+    read_stat,
+)
 
 # comm may hold spaces and ")" - here it looks like the start of other fields.
 TRICKY_COMM = b"a) R 1 1 1 (b"
@@ -60,3 +67,13 @@ def test_start_ticks_of_a_process_named_to_confuse_the_parser() -> None:
         child.kill()
         child.communicate()
     assert process_start_ticks(child.pid) is None  # reaped: no such process
+
+
+def test_cgroups_of_every_hierarchy_are_read(tmp_path: Path) -> None:
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cgroup").write_text(
+        "4:memory:/daemon/litegraph-inv\n1:name=systemd:/odd:path\n0::/\n"
+    )
+    assert process_cgroups(42, tmp_path) == ["/daemon/litegraph-inv", "/odd:path", "/"]
+    assert process_cgroups(43, tmp_path) is None
+    assert process_cgroups(os.getpid()) is not None

@@ -148,12 +148,12 @@ class StartGateMachine(Machine):
     starts_waiting = 0
     fail_start = False
 
-    async def process_started(self, reservation_id: str, pid: int, start_time: float) -> None:
+    async def process_started(self, reservation_id: str, pid: int, start_ticks: int | None) -> None:
         type(self).starts_waiting += 1
         await self.start_gate.wait()
         if self.fail_start:
             raise JournalError("injected: the start record cannot be written")
-        await super().process_started(reservation_id, pid, start_time)
+        await super().process_started(reservation_id, pid, start_ticks)
 
 
 async def test_a_process_whose_start_cannot_be_journaled_never_runs(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import trio
 
 from node.machine.cgroups import Cgroups, system_cgroups
+from node.machine.proc import read_stat
 from supervisor.output import OutputRing
 from supervisor.process import (
     InvalidProcessRequest,
@@ -42,14 +42,14 @@ class Run:
     def __init__(self) -> None:
         self.stdout = OutputRing(64 * 1024)
         self.stderr = OutputRing(64 * 1024)
-        self.started: list[tuple[int, float]] = []
+        self.started: list[tuple[int, int | None]] = []
 
     @property
     def pid(self) -> int:
         return self.started[0][0]
 
-    async def on_started(self, pid: int, create_time: float) -> None:
-        self.started.append((pid, create_time))
+    async def on_started(self, pid: int, start_ticks: int | None) -> None:
+        self.started.append((pid, start_ticks))
 
     async def __call__(
         self,
@@ -57,7 +57,7 @@ class Run:
         *,
         cgroups: Cgroups | None = None,
         parent_env: Mapping[str, str] | None = None,
-        on_started: Callable[[int, float], Awaitable[None]] | None = None,
+        on_started: Callable[[int, int | None], Awaitable[None]] | None = None,
     ) -> int:
         return await run_process(
             spec,
@@ -122,26 +122,27 @@ async def test_stdin_is_dev_null() -> None:
     assert run.stdout.text() == ""
 
 
-async def test_on_started_gets_the_real_pid_and_create_time() -> None:
+async def test_on_started_gets_the_real_pid_and_start_ticks() -> None:
     run = Run()
-    seen: list[float] = []
+    seen: list[int] = []
 
-    async def on_started(pid: int, create_time: float) -> None:
-        await run.on_started(pid, create_time)
-        seen.append(psutil.Process(pid).create_time())
+    async def on_started(pid: int, start_ticks: int | None) -> None:
+        await run.on_started(pid, start_ticks)
+        stat = read_stat(pid)
+        assert stat is not None
+        seen.append(stat.start_ticks)
 
     assert await run(spec("sh", "-c", "echo $$"), on_started=on_started) == 0
-    pid, create_time = run.started[0]
+    pid, start_ticks = run.started[0]
     assert int(run.stdout.text()) == pid
-    assert create_time == seen[0]
-    assert abs(create_time - time.time()) < 60
+    assert start_ticks is not None and start_ticks == seen[0]
 
 
 async def test_an_error_in_on_started_kills_the_child_and_propagates() -> None:
     run = Run()
 
-    async def on_started(pid: int, create_time: float) -> None:
-        await run.on_started(pid, create_time)
+    async def on_started(pid: int, start_ticks: int | None) -> None:
+        await run.on_started(pid, start_ticks)
         raise RuntimeError("journal write failed")
 
     with pytest.raises(RuntimeError, match="journal write failed"):
@@ -377,8 +378,8 @@ async def test_a_process_that_left_the_group_cannot_hold_the_run_open(tmp_path: 
 async def test_keyboard_interrupt_ends_the_group_and_propagates() -> None:
     run = Run()
 
-    async def on_started(pid: int, create_time: float) -> None:
-        await run.on_started(pid, create_time)
+    async def on_started(pid: int, start_ticks: int | None) -> None:
+        await run.on_started(pid, start_ticks)
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -465,8 +466,8 @@ async def test_memory_limit_goes_to_a_cgroup_when_one_can_be_made(tmp_path: Path
     written: list[str] = []
     run = Run()
 
-    async def on_started(pid: int, create_time: float) -> None:
-        await run.on_started(pid, create_time)
+    async def on_started(pid: int, start_ticks: int | None) -> None:
+        await run.on_started(pid, start_ticks)
         written.append((expected / "memory.max").read_text())
 
     process_spec = spec(*PRINT_RLIMIT, memory_limit_bytes=LIMIT, cpu_only=True, cgroup_name="inv-1")

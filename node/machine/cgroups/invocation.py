@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 KILL_SECONDS = 5.0
 REMOVE_SECONDS = 5.0
+OOM_POLL_SECONDS = 0.1
 # How long cgroup.kill gets before the freezer pass, and a freeze before SIGKILL anyway
 # (a task already dying may never report frozen).
 _AFTER_CGROUP_KILL_S = 1.0
@@ -169,6 +170,24 @@ class InvocationCgroup:
         left = self.pids()
         if left:
             raise CgroupKillFailed(self.name, left)
+
+    async def kill_after_oom(self, poll: float = OOM_POLL_SECONDS) -> None:
+        """Once the OOM killer has struck in the cgroup, kill all of it, then return.
+
+        v2's memory.oom.group makes the kernel do this itself; v1 kills one process
+        and leaves the rest running, so the owner runs this beside the work. Returns
+        quietly if the cgroup is gone (the work ended first).
+        """
+        while True:
+            try:
+                struck = self.usage().oom_killed
+            except CgroupError:
+                return
+            if struck:
+                log.warning("cgroup %s: out of memory, ending everything in it", self.name)
+                await self.kill()
+                return
+            await trio.sleep(poll)
 
     async def remove(self, within: float = REMOVE_SECONDS) -> bool:
         """Kill, then remove every directory; False (logged) if something stayed."""
