@@ -458,6 +458,9 @@ class Journal:
 
     # -- appending ------------------------------------------------------------------
     def _append(self, record: Record) -> None:
+        """Write the frame, fsync, and only then apply it. The bytes written since the
+        last good record are the unit of failure: a batch of frames joined into one
+        write would take the same path (one fsync, one point to cut back to)."""
         if self._fd < 0:
             raise JournalError("journal is closed")
         if self._partial:
