@@ -214,7 +214,7 @@ def classify(
     signals: list[tuple[Signal, str]] = []
     for xid in probe.xids:
         if xid in fatal_xids:
-            signals.append((Signal.FATAL_XID, f"xid_{xid}: critical device error"))
+            signals.append((Signal.FATAL_XID, f"xid_{xid}: critical device error, needs a reset"))
         else:
             signals.append((Signal.APP_XID, f"xid_{xid}: application error"))
     if ecc is not None and previous_ecc is not None and ecc > previous_ecc:

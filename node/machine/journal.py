@@ -22,7 +22,9 @@ Reading (on open). A crash can tear only the record being appended, the last
 one, and only by ending the file early: a *torn last record* is fewer than 8
 header bytes at the end of the file, or a header whose declared length
 (within the bound) runs past the end of the file with no complete record
-anywhere after it. A torn tail is copied to `<journal>.torn` (replacing an
+anywhere after it, or nothing but zero bytes from the first bad frame to the
+end (the file grew but its data never reached the disk; no record is all
+zeros). A torn tail is copied to `<journal>.torn` (replacing an
 older copy), then truncated away, with a warning naming the offset. Anything
 else is corruption: a length over the bound, a complete frame whose CRC
 fails (even the last one: the filesystem never shows a whole frame with
@@ -301,6 +303,14 @@ def _frame_after(data: bytes, offset: int) -> bool:
 
 def _replay(data: bytes, state: _State) -> _Scan:
     """Apply every good frame from the start; say where and why it stopped."""
+    scan = _scan_frames(data, state)
+    if scan.problem is not None and not scan.torn and not any(data[scan.good :]):
+        # The file was extended but the bytes never reached the disk: they read as 0.
+        return _Scan(scan.records, scan.good, "zero_tail", torn=True)
+    return scan
+
+
+def _scan_frames(data: bytes, state: _State) -> _Scan:
     offset = count = 0
     while offset < len(data):
         if len(data) - offset < _HEADER.size:
@@ -448,6 +458,9 @@ class Journal:
 
     # -- appending ------------------------------------------------------------------
     def _append(self, record: Record) -> None:
+        """Write the frame, fsync, and only then apply it. The bytes written since the
+        last good record are the unit of failure: a batch of frames joined into one
+        write would take the same path (one fsync, one point to cut back to)."""
         if self._fd < 0:
             raise JournalError("journal is closed")
         if self._partial:

@@ -56,7 +56,7 @@ def test_fatal_xid_makes_unhealthy(xid: int) -> None:
     t = tracker(events)
     t.observe(ok(xids=(xid,)), at=1.0)
     assert t.state(GPU) is HealthState.UNHEALTHY
-    assert events[0].reasons == (f"xid_{xid}: critical device error",)
+    assert events[0].reasons == (f"xid_{xid}: critical device error, needs a reset",)
     assert events[0].signal is Signal.FATAL_XID
 
 
@@ -153,7 +153,7 @@ def test_a_fatal_xid_stays_unhealthy_through_good_probes_until_a_reset(xid: int)
     for i in range(10):
         t.observe(ok(), at=1 + i)
     assert t.state(GPU) is HealthState.UNHEALTHY
-    assert t.health(GPU).reasons == (f"xid_{xid}: critical device error",)
+    assert t.health(GPU).reasons == (f"xid_{xid}: critical device error, needs a reset",)
     # The reset reading is itself good: the first of the probes recovery needs.
     t.observe(ok(reset=True), at=20)
     assert t.state(GPU) is HealthState.UNKNOWN

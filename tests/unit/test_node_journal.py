@@ -158,6 +158,23 @@ def test_a_torn_tail_is_copied_aside_before_truncation(
     assert str(aside) in caplog.text and f"byte {2 * frame}" in caplog.text
 
 
+def test_a_tail_of_zeros_is_torn_not_corrupt(tmp_path: Path) -> None:
+    # A crash can leave the file longer than what reached the disk: the rest reads as
+    # zeros. No record is all zeros, so nothing acknowledged can hide in there.
+    path, data, frame = _three_records(tmp_path)
+    path.write_bytes(data[: 2 * frame] + bytes(4096))
+    _, replay = Journal.open(tmp_path)
+    assert set(replay.reservations) == {"a", "b"} and replay.problem == "zero_tail"
+    assert path.read_bytes() == data[: 2 * frame]
+    assert (tmp_path / (JOURNAL_FILENAME + ".torn")).read_bytes() == bytes(4096)
+
+
+def test_zeros_with_a_record_after_them_are_corrupt(tmp_path: Path) -> None:
+    path, data, frame = _three_records(tmp_path)
+    path.write_bytes(data[:frame] + bytes(frame) + data[2 * frame :])
+    _refused(tmp_path, path, frame, "undecodable_record")
+
+
 def test_an_empty_journal_starts_fresh_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -109,7 +109,7 @@ async def test_snapshot_contents_and_round_trip() -> None:
     assert snap.observed_at == "2026-01-02T03:04:05.678Z"
     assert snap.readiness_reasons == ("journal_recovering",)
     assert [d.health for d in snap.devices] == [HealthState.UNHEALTHY, HealthState.HEALTHY]
-    assert snap.devices[0].health_reasons == ("xid_79: critical device error",)
+    assert snap.devices[0].health_reasons == ("xid_79: critical device error, needs a reset",)
     assert snap.devices[0].temperature_c == 41.0
     assert [lane.kind.value for lane in snap.lanes] == ["cpu", "gpu", "mig", "mig", "mig"]
     assert snap.lanes[-1].drained and not snap.lanes[0].drained
