@@ -75,6 +75,8 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
         check_identifier(lane_id, LANE_ID, "lane_id")
         token = _bearer()
         sup = ready_supervisor(ctx)
+        with _lane_errors(ctx):
+            sup.lane_caller(lane_id, token)  # no valid token: refused before the body is read
         work: LaneWorkRequest = await decode_body(LaneWorkRequest)
         started = trio.current_time()
         try:

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from capabilities import Isolation as TokenIsolation
 from capabilities import (
+    Claims,
     LaneOp,
     LaneValidator,
     MintedToken,
@@ -26,6 +26,7 @@ from capabilities import (
     TokenRefused,
     TokenService,
 )
+from capabilities import Isolation as TokenIsolation
 from capabilities.errors import CapabilityError, MintError, RevocationFull
 from node.machine import Machine
 from node.machine.health import HealthState, HealthTransition
@@ -443,10 +444,19 @@ class Supervisor:
         )
 
     # -- lane work ----------------------------------------------------------------------
-    async def lane_work(self, lane_id: str, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+    def _owner(self, lane_id: str) -> LaneOwner:
         owner = self.owners.get(lane_id)
         if owner is None:
             raise LaneWorkError(404, "unknown_lane", "no such lane")
+        return owner
+
+    def lane_caller(self, lane_id: str, token: str) -> Claims:
+        """Whose token this is, if it is authority on the lane for any op; the edge
+        asks before it reads a request's body (TokenRefused otherwise)."""
+        return self._owner(lane_id).identify(token)
+
+    async def lane_work(self, lane_id: str, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+        owner = self._owner(lane_id)
         with trio.fail_after(self.lane_work_deadline):
             return await owner.request(token, work)
 

@@ -1,9 +1,11 @@
 """Lane owners: one trio task per lane owns that lane's mutable state.
 
-Work reaches an owner through a bounded channel; a full channel refuses at
-once (`LaneBusy`, 429 at the edge). Before any work the owner validates the
-presented capability token for this lane, the operation and the VRAM the
-invocation would then hold. An owner that crashes is restarted; more than
+The presented capability token is checked before anything is queued (a
+junk or foreign token never takes a place), then work waits in the lane's
+`FairQueue`: each invocation has its own bounded share, served in turn, and a
+full share refuses at once (`LaneBusy`, 429 at the edge). When its turn comes
+the owner validates the token again for this lane, the operation and the
+VRAM the invocation would then hold. An owner that crashes is restarted; more than
 `max_restarts` crashes within `window` seconds fault the lane (it leaves
 allocatable) and its pending work is refused.
 """
@@ -19,8 +21,9 @@ from collections.abc import Callable
 import msgspec
 import trio
 
-from capabilities import LaneOp, LaneValidator, TokenRefused
+from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefused
 from node.machine.lanes import Lane
+from supervisor.lane_queue import FairQueue, Full
 from supervisor.lane_work import (
     Execute,
     KernelError,
@@ -52,15 +55,15 @@ class LaneBusy(LaneWorkError):
         super().__init__(429, "lane_busy", f"lane {lane_id} has too much work queued")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Job:
     token: str
     work: LaneWorkRequest
+    invocation_id: str  # the token's subject, checked before queueing
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     reply: LaneWorkReply | None = None
     error: Exception | None = None
-    abandoned: bool = False  # the caller stopped waiting: skip it, or undo a reserve
-    invocation_id: str | None = None  # known once the token is validated
+    abandoned: bool = False  # the caller stopped waiting while it ran: undo a reserve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,8 @@ class LaneOwner:
         *,
         is_live: Callable[[str], bool],
         on_fault: Callable[[str], None],
-        queue_size: int = 64,
+        share: int = 8,
+        max_queued_invocations: int = 1024,
         max_buffers: int = 4096,
         max_restarts: int = 5,
         window: float = 60.0,
@@ -88,7 +92,8 @@ class LaneOwner:
         self._executor = executor
         self._is_live = is_live
         self._on_fault = on_fault
-        self._send, self._receive = trio.open_memory_channel[_Job](queue_size)
+        self.share = share  # jobs one invocation may have queued on this lane
+        self._queue = FairQueue[_Job](share=share, max_keys=max_queued_invocations)
         self._buffers: dict[str, _Buffer] = {}
         self._held: dict[str, int] = {}
         self._max_buffers = max_buffers
@@ -100,22 +105,40 @@ class LaneOwner:
         self._current: tuple[trio.CancelScope, _Job] | None = None
 
     # -- what other tasks call ------------------------------------------------------
+    def identify(self, token: str) -> Claims:
+        """The claims of a token that is authority on this lane for some op: every
+        check but the op's scope (cached, so cheap); TokenRefused otherwise."""
+        refused: TokenRefused | None = None
+        for op in LaneOp:
+            try:
+                return self._validator.validate(token, lane_id=self.lane.lane_id, op=op)
+            except TokenRefused as exc:
+                if exc.reason is not TokenRefusal.OP_NOT_GRANTED:
+                    raise
+                refused = exc
+        assert refused is not None
+        raise refused
+
     async def request(self, token: str, work: LaneWorkRequest) -> LaneWorkReply:
-        """Queue work (never waiting for room) and wait for its reply; the caller
-        bounds the wait with its own deadline."""
+        """Check the token, queue the work in its invocation's share (never waiting
+        for room) and wait for its reply; the caller bounds the wait."""
         if self.faulted:
             raise LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
         if self.stopped:
             raise LaneWorkError(503, "shutting_down", "the lane owner stopped")
-        job = _Job(token, work)
+        op = _OPS.get(type(work), LaneOp.EXECUTE)
+        claims = self._validator.validate(token, lane_id=self.lane.lane_id, op=op)
+        job = _Job(token, work, claims.sub)
         try:
-            self._send.send_nowait(job)
-        except trio.WouldBlock:
+            self._queue.put_nowait(claims.sub, job)
+        except Full:
             raise LaneBusy(self.lane.lane_id) from None
         try:
             await job.done.wait()
         finally:
-            job.abandoned = not job.done.is_set()
+            if not job.done.is_set():
+                # Still queued: give its place back. Running: undo a reserve after.
+                job.abandoned = not self._queue.remove(job.invocation_id, job)
         if job.error is not None:
             raise job.error
         assert job.reply is not None
@@ -167,7 +190,7 @@ class LaneOwner:
     def _refuse_queued(self, code: str, message: str) -> None:
         while True:
             try:
-                job = self._receive.receive_nowait()
+                job = self._queue.get_nowait()
             except trio.WouldBlock:
                 return
             job.error = LaneWorkError(503, code, message)
@@ -175,10 +198,7 @@ class LaneOwner:
 
     async def _serve(self) -> None:
         while True:
-            job = await self._receive.receive()
-            if job.abandoned:  # its caller gave up while it was queued
-                job.done.set()
-                continue
+            job = await self._queue.get()
             with trio.CancelScope() as scope:
                 self._current = (scope, job)
                 try:
@@ -211,8 +231,8 @@ class LaneOwner:
         token, work = job.token, job.work
         lane_id = self.lane.lane_id
         op = _OPS.get(type(work), LaneOp.EXECUTE)
-        claims = self._validator.validate(token, lane_id=lane_id, op=op)
-        sub = job.invocation_id = claims.sub
+        # Again: the token may have been revoked while the job waited.
+        sub = self._validator.validate(token, lane_id=lane_id, op=op).sub
         held = self._held.get(sub, 0)
         if isinstance(work, MemoryReserve):  # the budget covers what it would then hold
             self._validator.validate(token, lane_id=lane_id, op=op, vram_bytes=held + work.bytes)

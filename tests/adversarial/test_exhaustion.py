@@ -184,8 +184,7 @@ async def _lane_flood(node: Node, extra: int) -> tuple[list[httpx.Response], str
     sup = node.daemon.supervisor
     assert sup is not None
     owner = sup.owners[lane]
-    queue = owner._send.statistics().max_buffer_size
-    assert isinstance(queue, int)
+    queue = owner.share
     replies: list[httpx.Response] = []
     limits = httpx.Limits(max_connections=queue + extra + 8)
     async with httpx.AsyncClient(base_url=node.url, timeout=30, limits=limits) as client:
@@ -222,6 +221,55 @@ async def test_exhaustion_lane_busy_has_retry_after(tmp_path: pathlib.Path) -> N
         assert busy
         for reply in busy:
             assert int(reply.headers["Retry-After"]) >= 1
+
+
+async def test_exhaustion_junk_tokens_take_no_place_in_a_lane_queue(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with running_node(tmp_path) as node:
+        lane, running = next(iter((await node.submit(gpu_request("running")))["tokens"].items()))
+        tenant = (await node.submit(gpu_request("tenant")))["tokens"][lane]
+        replies: list[httpx.Response] = []
+        limits = httpx.Limits(max_connections=128)
+        async with httpx.AsyncClient(base_url=node.url, timeout=30, limits=limits) as client:
+
+            async def work(token: str, body: dict[str, Any]) -> None:
+                replies.append(
+                    await client.post(f"/v1/lanes/{lane}/work", json=body, headers=bearer(token))
+                )
+
+            async with trio.open_nursery() as nursery:
+                # A long kernel holds the owner while the junk arrives.
+                slow = {"op": "execute", "kernel": "sleep", "args": {"seconds": 1.5}}
+                nursery.start_soon(work, running, slow)
+                await trio.sleep(0.3)
+                with trio.fail_after(1):  # answered while the kernel still runs
+                    async with trio.open_nursery() as junk:
+                        for _ in range(100):
+                            junk.start_soon(work, "v4.public.junk", {"op": "execute"})
+                assert [r.status_code for r in replies] == [401] * 100
+                assert {error_code(r) for r in replies} == {"bad_encoding"}
+                await work(tenant, {"op": "execute", "kernel": "noop"})
+                assert replies[-1].status_code == 200, replies[-1].text
+
+
+async def test_exhaustion_lane_work_without_a_valid_token_is_refused_before_the_body(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with running_node(tmp_path) as node:
+        lane = (await node.lanes("gpu"))[0]
+        target = f"/v1/lanes/{lane}/work"
+        for headers, body in (
+            ({}, b"{not json"),
+            ({}, b"x" * (MAX_BODY_BYTES + 1)),
+            ({"Authorization": "Bearer v4.public.junk"}, b"{not json"),
+            ({"Authorization": "Bearer v4.public.junk"}, b"x" * (MAX_BODY_BYTES + 1)),
+            ({"Authorization": "Bearer "}, b"[]"),
+        ):
+            reply = await raw_request(
+                node.url, http_request("POST", target, headers=headers, body=body)
+            )
+            assert reply.status == 401, (headers, reply.body[:200])
 
 
 # --- oversized bodies ---------------------------------------------------------------------

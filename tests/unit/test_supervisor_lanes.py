@@ -221,29 +221,72 @@ async def test_when_the_invocation_ends_its_tokens_are_revoked_and_buffers_freed
         rig.assert_released("end", response.tokens)
 
 
-async def test_a_full_lane_queue_refuses_at_once_with_429(
+async def test_one_invocation_fills_only_its_own_share_of_a_lane(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        lane_id, token = only_lane(await rig.sup.submit(gpu_work("busy")))
-        done: list[int] = []
+        lane_id, flooder = only_lane(await rig.sup.submit(gpu_work("flood")))
+        lane_b, tenant = only_lane(await rig.sup.submit(gpu_work("tenant")))
+        assert lane_b == lane_id  # shared work packs onto one GPU
+        busy: list[int] = []
+        finished: list[str] = []
 
-        async def slow() -> None:
-            await rig.sup.lane_work(lane_id, token, Execute(kernel="sleep", args={"seconds": 1}))
-            done.append(1)
+        async def work(who: str, token: str) -> None:
+            try:
+                await rig.sup.lane_work(
+                    lane_id, token, Execute(kernel="sleep", args={"seconds": 1})
+                )
+            except LaneBusy as refused:
+                busy.append(refused.status)
+                return
+            finished.append(who)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(65):  # one in the owner's hands, 64 queued
-                nursery.start_soon(slow)
+            nursery.start_soon(work, "flood", flooder)
+            await trio.testing.wait_all_tasks_blocked()  # in the owner's hands
+            for _ in range(64):
+                nursery.start_soon(work, "flood", flooder)
             await trio.testing.wait_all_tasks_blocked()
-            with pytest.raises(LaneBusy) as busy:
-                await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
-            assert (busy.value.status, busy.value.code) == (429, "lane_busy")
-            for _ in range(65):
+            # One in the owner's hands and 8 queued; the rest refused at once.
+            assert busy == [429] * 56
+            nursery.start_soon(work, "tenant", tenant)
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(10):
                 mock_clock.jump(1)
                 await trio.testing.wait_all_tasks_blocked()
-        assert len(done) == 65
-        await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
+        # Served in turn: the tenant waited for one of the flood's kernels, not eight.
+        assert finished[:3] == ["flood", "flood", "tenant"] and len(finished) == 10
+        await rig.sup.lane_work(lane_id, flooder, Execute(kernel="noop"))
+
+
+async def test_a_token_that_is_no_authority_never_takes_a_place_in_the_queue(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        lane_id, token = only_lane(await rig.sup.submit(gpu_work("running")))
+        _, tenant = only_lane(await rig.sup.submit(gpu_work("tenant")))
+        refused: list[TokenRefusal] = []
+
+        async def junk(bad: str) -> None:
+            with pytest.raises(TokenRefused) as info:
+                await rig.sup.lane_work(lane_id, bad, Execute(kernel="noop"))
+            refused.append(info.value.reason)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                rig.sup.lane_work, lane_id, token, Execute(kernel="sleep", args={"seconds": 1})
+            )
+            await trio.testing.wait_all_tasks_blocked()  # the owner is busy
+            started = trio.current_time()
+            for _ in range(100):
+                nursery.start_soon(junk, "v4.public.junk")
+            await trio.testing.wait_all_tasks_blocked()
+            # Refused at once, while the owner is still busy: nothing was queued.
+            assert trio.current_time() == started
+            assert refused == [TokenRefusal.BAD_ENCODING] * 100
+            mock_clock.jump(1)
+        served = await rig.sup.lane_work(lane_id, tenant, Execute(kernel="noop"))
+        assert served.invocation_id == "tenant"
 
 
 # -- crashes and faults -----------------------------------------------------------------
