@@ -24,7 +24,7 @@ from api.unix_server import bind_unix_socket
 from node.config import Config
 from node.machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from supervisor.guests import GuestPolicy
-from supervisor.identity import UidPool, can_switch_users, parse_uid_range
+from supervisor.identity import UidPool, become, can_switch_users, parse_uid_range
 from supervisor.sandbox import SandboxSpec, SandboxUnavailable, bwrap_argv, find_bwrap
 
 __all__ = ["GuestSetup", "GuestSetupError", "default_run_dir", "open_guest_setup"]
@@ -80,9 +80,7 @@ async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
 
     def drop() -> None:
         if uid is not None:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
+            become(uid)
 
     try:
         with trio.fail_after(SELF_TEST_SECONDS):

@@ -12,7 +12,14 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["UidPool", "UidRangeError", "UidsExhausted", "can_switch_users", "parse_uid_range"]
+__all__ = [
+    "UidPool",
+    "UidRangeError",
+    "UidsExhausted",
+    "become",
+    "can_switch_users",
+    "parse_uid_range",
+]
 
 _RANGE_RE = re.compile(r"(\d{1,10})-(\d{1,10})")
 # Below this are system accounts; at and above 2**31 some tools misbehave.
@@ -42,6 +49,17 @@ def parse_uid_range(text: str, *, daemon_uid: int | None = None) -> range:
     if low <= uid <= high:
         raise UidRangeError(f"contains the daemon's own uid {uid}")
     return range(low, high + 1)
+
+
+def become(uid: int) -> None:
+    """Take `uid` (and the gid of the same number), with no supplementary groups.
+
+    For a forked child before exec: plain syscalls only; gid before uid, since
+    a process that gave up root can no longer change its groups.
+    """
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
 
 
 def can_switch_users() -> bool:

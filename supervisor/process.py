@@ -38,6 +38,7 @@ from node.machine.cgroups import (
 )
 from node.machine.proc import process_start_ticks
 from node.machine.procgroup import terminate_group
+from supervisor.identity import become
 from supervisor.output import OutputRing, pump
 from supervisor.sandbox import SandboxSpec, bwrap_argv
 
@@ -319,9 +320,7 @@ def _preexec(
         if affinity is not None:
             os.sched_setaffinity(0, affinity)
         if uid is not None:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
+            become(uid)
 
     return setup
 

@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import trio
 
+from supervisor.identity import become
 from tests.adversarial.fixtures import Node
 from tests.confinement.guests import (
     GUEST_PYTHON,
@@ -41,9 +42,7 @@ def as_uid(uid: int, *argv: str) -> subprocess.CompletedProcess[str]:
     """Run argv on the host as `uid` (no namespace): what one guest uid may do to another."""
 
     def drop() -> None:
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
+        become(uid)
 
     return subprocess.run(
         argv, preexec_fn=drop, capture_output=True, text=True, timeout=30, check=False, cwd="/"
