@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import hypercorn.app_wrappers
-import hypercorn.trio.tcp_server
 import hypercorn.trio.worker_context
 import hypercorn.typing
 import trio
 from quart_trio import QuartTrio
 
 from api.asgi_close import ShieldFinalSend
+from api.connection import Connection
 from api.server import hypercorn_config
 from api.settings import HttpSettings
 
@@ -108,12 +108,9 @@ async def serve_unix(
         with_peer = _WithPeer(cast(ASGIApp, ShieldFinalSend(app)), peer)
         wrapped = hypercorn.app_wrappers.ASGIWrapper(with_peer)  # type: ignore[arg-type]
         state = hypercorn.typing.ConnectionState({})
-        server = hypercorn.trio.tcp_server.TCPServer(wrapped, config, context, state, stream)  # type: ignore[arg-type]
-        try:
-            await server.run()
-        except Exception:
-            # One connection's fault ends that connection, never the server.
-            log.exception("unix socket connection failed; closed it")
+        server = Connection(wrapped, config, context, state, stream)  # type: ignore[arg-type]
+        # HTTP/1.1 only; a connection's fault ends that connection alone (api.connection).
+        await server.run()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trio.serve_listeners, connection, [listener])
