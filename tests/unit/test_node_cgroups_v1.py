@@ -4,6 +4,7 @@ or we are not root."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import os
@@ -17,6 +18,7 @@ import trio
 
 from node.machine.cgroups import CgroupError, CgroupLimits, Cgroups, InvocationCgroup
 from node.machine.cgroups.common import CgroupFs, write_control
+from node.machine.cgroups.v1 import V1Backend
 from tests.cgroup_fixtures import SETSID_GRANDCHILD, close, gone_within, read_all, read_line, start
 
 MiB = 1 << 20
@@ -238,3 +240,24 @@ async def test_an_oom_kill_ends_the_whole_invocation_when_watched(
             assert leader.returncode is None and leader.pid in inv.pids()
     finally:
         await close(leader)
+
+
+async def test_a_grant_above_the_daemons_own_cpu_share_is_cut_down_to_it() -> None:
+    cgroups = detect_v1()
+    backend = cgroups._backend
+    assert isinstance(backend, V1Backend)
+    # The daemon itself may use half a CPU (a systemd CPUQuota=50%, say).
+    parent = backend.parents["cpu"] / f"litegraph-t{os.getpid()}-half"
+    parent.mkdir()
+    try:
+        write_control(parent / "cpu.cfs_quota_us", "50000")
+        limited = Cgroups(dataclasses.replace(backend, parents={**backend.parents, "cpu": parent}))
+        inv = limited.create(unique("h"), limits(cpu_millis=2000))
+        try:
+            cpu = inv.dirs["cpu"]
+            assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "50000"
+            assert (cpu / "cpu.cfs_period_us").read_text().strip() == "100000"
+        finally:
+            assert await inv.remove()
+    finally:
+        parent.rmdir()

@@ -6,7 +6,8 @@ tree (when mounted, for cgroup.kill). Limits:
 
 - memory: memory.swappiness 0, memory.limit_in_bytes, then memory.memsw.limit_in_bytes
   (swap accounting only; it must not be below limit_in_bytes, so it comes second).
-- cpu: cpu.cfs_period_us and cpu.cfs_quota_us (CPU time in cpuacct.usage).
+- cpu: cpu.cfs_period_us and cpu.cfs_quota_us (CPU time in cpuacct.usage), the
+  quota cut down to the daemon's own share if an ancestor has a smaller one.
 - pids: pids.max.
 - devices: deny everything, then allow what a sandbox's /dev needs plus the
   granted nodes (their major:minor, read from the node itself).
@@ -28,10 +29,11 @@ from node.machine.cgroups.common import (
     CgroupsUnavailable,
     cpu_quota,
     inside,
+    read_control,
 )
 from node.machine.cgroups.invocation import InvocationCgroup
 
-__all__ = ["BASE_DEVICES", "REQUIRED", "V1Backend", "detect_v1", "device_rules"]
+__all__ = ["BASE_DEVICES", "REQUIRED", "V1Backend", "cpu_ceiling", "detect_v1", "device_rules"]
 
 REQUIRED = ("memory", "cpu", "cpuacct", "pids", "freezer")
 _OPTIONAL = ("devices",)
@@ -66,6 +68,24 @@ def device_rules(paths: tuple[str, ...]) -> list[str]:
             raise CgroupError("not_a_device", f"{path} is not a device node")
         rules.append(f"{kind} {os.major(mode.st_rdev)}:{os.minor(mode.st_rdev)} rwm")
     return rules
+
+
+def cpu_ceiling(parent: Path) -> float | None:
+    """The tightest CPU share (in CPUs) set on `parent` or above it, None if none is.
+
+    v1 refuses (EINVAL) a quota above an ancestor's, where v2 would just apply
+    the smaller one: so a grant is cut down to what the daemon itself may use.
+    """
+    shares = []
+    for path in (parent, *parent.parents):
+        try:
+            quota = int(read_control(path / "cpu.cfs_quota_us"))
+            period = int(read_control(path / "cpu.cfs_period_us"))
+        except (OSError, ValueError):
+            break  # above the hierarchy's root
+        if quota > 0 and period > 0:
+            shares.append(quota / period)
+    return min(shares, default=None)
 
 
 @dataclass(frozen=True)
@@ -116,6 +136,9 @@ class V1Backend:
         if (memory / "memory.memsw.limit_in_bytes").exists():
             write(memory / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
         quota, period = cpu_quota(limits.cpu_millis)
+        ceiling = cpu_ceiling(self.parents["cpu"])
+        if ceiling is not None:
+            quota = max(1000, min(quota, int(ceiling * period)))
         write(dirs["cpu"] / "cpu.cfs_period_us", str(period))
         write(dirs["cpu"] / "cpu.cfs_quota_us", str(quota))
         write(dirs["pids"] / "pids.max", str(limits.pids_max))
