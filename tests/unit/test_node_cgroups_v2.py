@@ -257,3 +257,16 @@ async def test_kill_after_oom_returns_when_the_cgroup_is_gone(
     assert await inv.remove()
     with trio.fail_after(1):
         await inv.kill_after_oom()
+
+
+async def test_a_freezer_that_refuses_is_a_typed_error_and_remove_says_false(
+    tmp_path: Path, autojump_clock: object
+) -> None:
+    fake = FakeCgroupV2(tmp_path)
+    inv = detect(fake).create("a", LIMITS)
+    (inv.dirs["unified"] / "cgroup.procs").write_text(f"{NO_SUCH_PID}\n")
+    fake.refused.add("cgroup.freeze")
+    with pytest.raises(CgroupError) as caught:
+        await inv.kill()
+    assert caught.value.reason == "kill_failed"
+    assert not await inv.remove()

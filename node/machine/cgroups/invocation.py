@@ -158,15 +158,18 @@ class InvocationCgroup:
 
     async def kill(self, within: float = KILL_SECONDS) -> None:
         """Return once every process in the cgroup is dead; CgroupKillFailed if not in time."""
-        with trio.move_on_after(within):
-            if self._write_each("cgroup.kill", "1") and await self._empty_within(
-                _AFTER_CGROUP_KILL_S
-            ):
-                return
-            while self.pids():
-                await self._freeze_and_kill()
-                if await self._empty_within(_AFTER_CGROUP_KILL_S):
+        try:
+            with trio.move_on_after(within):
+                if self._write_each("cgroup.kill", "1") and await self._empty_within(
+                    _AFTER_CGROUP_KILL_S
+                ):
                     return
+                while self.pids():
+                    await self._freeze_and_kill()
+                    if await self._empty_within(_AFTER_CGROUP_KILL_S):
+                        return
+        except OSError as exc:  # a freezer file that vanished or refused
+            raise CgroupError("kill_failed", f"{self.name}: {exc}") from exc
         left = self.pids()
         if left:
             raise CgroupKillFailed(self.name, left)
