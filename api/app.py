@@ -12,6 +12,7 @@ from api.context import NodeContext
 from api.errors import ApiError
 from api.responses import error_response, json_response
 from api.routes_invocations import register_invocation_routes
+from api.routes_keys import register_key_routes
 from api.routes_lanes import register_lane_routes
 from api.routes_node import register_node_routes
 
@@ -63,4 +64,5 @@ def create_app(ctx: NodeContext) -> QuartTrio:
     register_node_routes(app, ctx)
     register_invocation_routes(app, ctx)
     register_lane_routes(app, ctx)
+    register_key_routes(app, ctx)
     return app

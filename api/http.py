@@ -19,6 +19,7 @@ __all__ = [
     "ANY_OPERATOR",
     "check_identifier",
     "decode_body",
+    "decode_json",
     "is_loopback",
     "ready_supervisor",
     "require_role",
@@ -34,7 +35,11 @@ async def decode_body(wire_type: Any) -> Any:
     size was capped before reading (413). Callers annotate what they get."""
     if request.mimetype != "application/json":
         raise ApiError(415, "unsupported_media_type", "send application/json")
-    body = await request.get_data(as_text=False)
+    return decode_json(await request.get_data(as_text=False), wire_type)
+
+
+def decode_json(body: bytes | str, wire_type: Any) -> Any:
+    """Decode JSON bytes as `wire_type`: 400 when malformed, 422 when invalid."""
     try:
         return msgspec.json.decode(body, type=wire_type)
     except msgspec.ValidationError as exc:

@@ -11,7 +11,8 @@ from typing import Any
 import msgspec
 
 from api.errors import ErrorEnvelope
-from api.wire import DrainReply, HealthReply, ReadyReply
+from api.wire import DrainReply, HealthReply, IntrospectionRequest, ReadyReply
+from capabilities import Introspection, KeySet
 from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
@@ -74,6 +75,9 @@ def openapi_document() -> dict[str, Any]:
         DrainReply,
         NodeEvent,
         TokenReply,
+        KeySet,
+        IntrospectionRequest,
+        Introspection,
     ]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     ref = dict(
@@ -92,6 +96,9 @@ def openapi_document() -> dict[str, Any]:
                 "drain",
                 "event",
                 "token",
+                "keys",
+                "introspect",
+                "introspection",
             ),
             schemas,
             strict=True,
@@ -220,6 +227,37 @@ def openapi_document() -> dict[str, Any]:
                 "has used half its life (429 refresh_too_early with Retry-After before)."
             ),
             "responses": _responses(200, json_of["token"], (400, 401, 403, 409, 429, 503)),
+        },
+    }
+    paths["/v1/keys"] = {
+        "get": {
+            "operationId": "get_keys",
+            "description": (
+                "The node's verification keys as PASERK k4.public with their k4.pid (the"
+                " token footer's kid), the signing key first, at most 16, and the implicit"
+                " assertion every token is signed with. No credential: public keys only."
+                " Keys retired (every key from before a restart) are never listed. A"
+                " signature shows only who signed a token and its window; ask"
+                " /v1/tokens/introspect whether it is still current."
+            ),
+            "responses": _responses(200, json_of["keys"], (503,)),
+        },
+    }
+    paths["/v1/tokens/introspect"] = {
+        "post": {
+            "operationId": "introspect_token",
+            "security": _OPERATOR,
+            "description": (
+                'RFC 7662 token introspection: `{"active": false}` for any token the node'
+                " would refuse now (malformed, unknown key, bad signature, expired,"
+                " superseded by a refresh, its invocation ended), with no reason; else"
+                " `active` and the token's claims (times in Unix seconds, `scope` the lane"
+                " operations, space separated). Body at most 8 KiB: JSON, or the"
+                " `application/x-www-form-urlencoded` of RFC 7662 (`token=...`, each"
+                " parameter once, the same fields as the JSON)."
+            ),
+            "requestBody": {"required": True, "content": json_of["introspect"]},
+            "responses": _responses(200, json_of["introspection"], (400, *auth, 413, 415, 422)),
         },
     }
     for action in ("drain", "resume"):

@@ -1,10 +1,10 @@
-"""Small wire types of the HTTP API itself (probes, drain)."""
+"""Small wire types of the HTTP API itself (probes, drain, token introspection)."""
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ["DrainReply", "HealthReply", "ReadyReply"]
+__all__ = ["DrainReply", "HealthReply", "IntrospectionRequest", "ReadyReply"]
 
 
 class HealthReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -19,3 +19,11 @@ class ReadyReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 class DrainReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     lane_id: str
     drained: bool
+
+
+class IntrospectionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """RFC 7662: the token to look at; `token_type_hint` is accepted and ignored
+    (this node has one kind of token)."""
+
+    token: str
+    token_type_hint: str | None = None

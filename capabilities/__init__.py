@@ -3,7 +3,8 @@
 A token names one lane, one invocation, what may be done there and until
 when: PASETO v4.public (Ed25519), key id in the footer as PASERK k4.pid, the
 node bound through the implicit assertion. `TokenService` mints and revokes;
-`LaneValidator` is what a lane owner calls before any lane work.
+`LaneValidator` is what a lane owner calls before any lane work; `KeySet` and
+`Introspection` are what the node publishes to verifiers outside it.
 """
 
 from capabilities.claims import MAX_TTL_SECONDS, Claims, Footer, Isolation, LaneOp
@@ -20,6 +21,7 @@ from capabilities.errors import (
 )
 from capabilities.keyring import KeyRing
 from capabilities.paseto import MAX_TOKEN_CHARS
+from capabilities.publication import Introspection, KeySet, KeyStatus, PublishedKey
 from capabilities.revocation import LiveTokens
 from capabilities.service import (
     DEADLINE_MARGIN,
@@ -39,16 +41,20 @@ __all__ = [
     "CapabilityError",
     "Claims",
     "Footer",
+    "Introspection",
     "Isolation",
     "KeyFileError",
     "KeyFileProblem",
     "KeyRing",
     "KeyRingError",
+    "KeySet",
+    "KeyStatus",
     "LaneOp",
     "LaneValidator",
     "LiveTokens",
     "MintError",
     "MintedToken",
+    "PublishedKey",
     "RefreshTooEarly",
     "RevocationFull",
     "TokenRefusal",

@@ -14,6 +14,9 @@ only once the token has used half its life (`RefreshTooEarly` before that),
 so a token holder cannot turn refreshes into work for the node, and a
 refresh replaces state instead of adding any.
 
+For verifiers outside the node, `key_set` publishes the verification keys
+and `introspect` says whether a token is active now (RFC 7662).
+
 Bounds: at most `max_live_tokens` (invocation, lane) pairs; when no room is
 left, `mint` raises `RevocationFull` instead of handing out a token it could
 not revoke.
@@ -43,6 +46,14 @@ from capabilities.claims import (
 )
 from capabilities.errors import MintError, RefreshTooEarly, TokenRefusal, TokenRefused
 from capabilities.keyring import KeyRing
+from capabilities.publication import (
+    INACTIVE,
+    MAX_PUBLISHED_KEYS,
+    Introspection,
+    KeySet,
+    KeyStatus,
+    PublishedKey,
+)
 from capabilities.revocation import LiveTokens
 from capabilities.validator import LaneValidator
 
@@ -89,6 +100,9 @@ class TokenService:
         self._leeway = float(leeway)
         self._implicit = implicit_assertion(node_id)
         self._live = LiveTokens(max_live_tokens, leeway=self._leeway, clock=clock)
+        # kid -> the latest exp of a token it signed; one entry per key of the ring.
+        self._signed_until: dict[str, float] = {}
+        self._inspector = self.validator(cache_size=1024)
 
     @property
     def node_id(self) -> str:
@@ -184,7 +198,57 @@ class TokenService:
             secret, payload, footer=encode(Footer(kid=kid)), implicit=self._implicit
         )
         self._live.admit(invocation_id, lane_id, claims.jti, to_unix(claims.exp))
+        self._note_signed(kid, to_unix(claims.exp))
         return MintedToken(token=token, claims=claims)
+
+    def _note_signed(self, kid: str, exp: float) -> None:
+        until = self._signed_until.get(kid)
+        if until is None:
+            # A new signing key: forget keys that left the ring, so this stays bounded.
+            kids = set(self._keyring.kids())
+            self._signed_until = {k: v for k, v in self._signed_until.items() if k in kids}
+            until = exp
+        self._signed_until[kid] = max(until, exp)
+
+    def key_set(self) -> KeySet:
+        """The keys a verifier outside the node needs: the signing key first, then the
+        newest keys that may still verify a token, at most MAX_PUBLISHED_KEYS.
+
+        A rotated-out key is left out once every token it signed here has expired
+        past leeway. A retired key (and so every key from before a restart) has
+        left the ring and is never listed.
+        """
+        now = self._clock()
+        paserks = self._keyring.public_paserks()
+        active = self._keyring.active_kid
+        keys = [PublishedKey(kid=active, paserk=paserks[active], status=KeyStatus.ACTIVE)]
+        for kid in reversed(list(paserks)):
+            if len(keys) >= MAX_PUBLISHED_KEYS:
+                break
+            if kid == active:
+                continue
+            signed = self._signed_until.get(kid)
+            until = None if signed is None else signed + self._leeway
+            if until is not None and until <= now:
+                continue
+            keys.append(
+                PublishedKey(
+                    kid=kid,
+                    paserk=paserks[kid],
+                    status=KeyStatus.VERIFY_ONLY,
+                    verifies_until=None if until is None else from_unix(math.ceil(until)),
+                )
+            )
+        return KeySet(issuer=self._node_id, implicit_assertion=self._implicit.decode(), keys=keys)
+
+    def introspect(self, token: str) -> Introspection:
+        """RFC 7662: the claims of a token this node would accept now on its own lane,
+        or inactive, never saying why (malformed, unknown key, bad signature,
+        another node's, not yet valid, expired, superseded, ended)."""
+        try:
+            return Introspection.of(self._inspector.introspect(token))
+        except TokenRefused:
+            return INACTIVE
 
     def refresh(self, claims: Claims, *, deadline: float | None) -> MintedToken:
         """A fresh token with the scope of `claims`, which it supersedes.

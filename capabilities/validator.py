@@ -14,6 +14,9 @@
                                           its invocation on this lane)
 9. op_not_granted, vram_over_budget      (scope)
 
+`introspect` runs steps 1-6 and 8 (a token valid now on its own lane,
+whatever its scope); the node answers RFC 7662 introspection with it.
+
 Steps 1-5 depend only on the token bytes and the key ring, so their outcome
 is cached (bounded LRU): a token seen again skips the signature, never
 steps 6-9. Retiring a key empties the cache.
@@ -105,6 +108,19 @@ class LaneValidator:
         """
         if vram_bytes < 0:
             raise ValueError("vram_bytes must not be negative")
+        return self._authorise(self._verified(token), token, lane_id, op, vram_bytes)
+
+    def introspect(self, token: str) -> Claims:
+        """The claims of a token that is valid now on its own lane, scope aside, or
+        TokenRefused: steps 1-6 and 8 (no audience, no scope), cached like `validate`."""
+        entry = self._verified(token)
+        self._in_window(entry, token)
+        if entry.claims.jti not in self._current:
+            raise TokenRefused(TokenRefusal.REVOKED, "token was revoked")
+        return entry.claims
+
+    def _verified(self, token: str) -> _Verified:
+        """Steps 1-5, from the cache when this exact token passed them before."""
         if len(token) > self._max_chars:
             raise TokenRefused(TokenRefusal.OVERSIZED, f"longer than {self._max_chars} characters")
         if self._generation != self._keyring.generation:
@@ -121,7 +137,7 @@ class LaneValidator:
                 cache[token] = entry
                 if len(cache) > self._cache_size:
                     cache.popitem(last=False)
-        return self._authorise(entry, token, lane_id, op, vram_bytes)
+        return entry
 
     def authenticate(self, token: str) -> Claims:
         """Steps 1-5 only (format, key, signature, claims, issuer): no cache, no scope."""
@@ -170,15 +186,18 @@ class LaneValidator:
         self._footers[footer_text] = (footer, public)
         return footer, public
 
-    def _authorise(
-        self, entry: _Verified, token: str, lane_id: str, op: LaneOp, vram_bytes: int
-    ) -> Claims:
+    def _in_window(self, entry: _Verified, token: str) -> None:
         now = self._clock()
         if now < entry.nbf - self._leeway:
             raise TokenRefused(TokenRefusal.NOT_YET_VALID, "before nbf")
         if now >= entry.exp + self._leeway:
             self._cache.pop(token, None)
             raise TokenRefused(TokenRefusal.EXPIRED, "after exp")
+
+    def _authorise(
+        self, entry: _Verified, token: str, lane_id: str, op: LaneOp, vram_bytes: int
+    ) -> Claims:
+        self._in_window(entry, token)
         claims = entry.claims
         if claims.aud != lane_id:
             raise TokenRefused(TokenRefusal.WRONG_AUDIENCE, "token is for another lane")

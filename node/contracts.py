@@ -15,8 +15,8 @@ import msgspec
 import api
 from api.errors import ErrorEnvelope
 from api.openapi import openapi_document
-from api.wire import DrainReply
-from capabilities import Claims
+from api.wire import DrainReply, IntrospectionRequest
+from capabilities import Claims, Introspection, KeySet
 from node.config import Config
 from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
@@ -55,6 +55,9 @@ PUBLIC_TYPES: dict[str, Any] = {
     "node_event": NodeEvent,
     "capability_claims": Claims,
     "token_reply": TokenReply,
+    "key_set": KeySet,
+    "introspection_request": IntrospectionRequest,
+    "introspection": Introspection,
 }
 OPENAPI_FILE = "openapi.json"
 

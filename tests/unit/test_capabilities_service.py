@@ -23,16 +23,7 @@ from capabilities import (
     paseto,
 )
 from capabilities.claims import implicit_assertion
-
-T0 = 1_800_000_000.0
-
-
-class FakeClock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes.clock import T0, FakeClock
 
 
 @pytest.fixture

@@ -16,7 +16,25 @@ from capabilities import errors
 PACKAGE = pathlib.Path(capabilities.__file__).resolve().parent
 ALLOWED_THIRD_PARTY = {"cryptography", "msgspec"}
 
-OURS = ("claims", "errors", "keyring", "paseto", "revocation", "service", "validator")
+OURS = (
+    "claims",
+    "errors",
+    "keyring",
+    "paseto",
+    "publication",
+    "revocation",
+    "service",
+    "validator",
+)
+
+WIRE_STRUCTS = (
+    capabilities.Claims,
+    capabilities.Footer,
+    capabilities.MintedToken,
+    capabilities.KeySet,
+    capabilities.PublishedKey,
+    capabilities.Introspection,
+)
 
 
 def _top_level_imports(path: pathlib.Path) -> set[str]:
@@ -59,10 +77,11 @@ def test_wire_values_are_snake_case() -> None:
         capabilities.KeyFileProblem,
         capabilities.LaneOp,
         capabilities.Isolation,
+        capabilities.KeyStatus,
     ):
         for member in enum_type:
             assert snake.match(member.value), member
-    for struct in (capabilities.Claims, capabilities.Footer, capabilities.MintedToken):
+    for struct in WIRE_STRUCTS:
         for field in struct.__struct_fields__:
             assert snake.match(field), field
 
@@ -82,7 +101,7 @@ def test_scope_vocabulary() -> None:
 
 
 def test_wire_types_are_strict_frozen_structs() -> None:
-    for struct in (capabilities.Claims, capabilities.Footer, capabilities.MintedToken):
+    for struct in WIRE_STRUCTS:
         config = struct.__struct_config__
         assert isinstance(config, msgspec.structs.StructConfig)
         assert config.frozen and config.forbid_unknown_fields

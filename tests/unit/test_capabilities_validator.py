@@ -19,17 +19,9 @@ from capabilities import (
     TokenService,
     paseto,
 )
+from tests.fakes.clock import T0, FakeClock
 
-T0 = 1_800_000_000.0
 R = TokenRefusal
-
-
-class FakeClock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
