@@ -229,28 +229,30 @@ async def test_exhaustion_junk_tokens_take_no_place_in_a_lane_queue(
     async with running_node(tmp_path) as node:
         lane, running = next(iter((await node.submit(gpu_request("running")))["tokens"].items()))
         tenant = (await node.submit(gpu_request("tenant")))["tokens"][lane]
-        replies: list[httpx.Response] = []
+        junk: list[httpx.Response] = []
         limits = httpx.Limits(max_connections=128)
         async with httpx.AsyncClient(base_url=node.url, timeout=30, limits=limits) as client:
 
-            async def work(token: str, body: dict[str, Any]) -> None:
-                replies.append(
-                    await client.post(f"/v1/lanes/{lane}/work", json=body, headers=bearer(token))
-                )
+            async def work(token: str, body: dict[str, Any]) -> httpx.Response:
+                return await client.post(f"/v1/lanes/{lane}/work", json=body, headers=bearer(token))
+
+            async def junk_work() -> None:
+                junk.append(await work("v4.public.junk", {"op": "execute"}))
 
             async with trio.open_nursery() as nursery:
                 # A long kernel holds the owner while the junk arrives.
                 slow = {"op": "execute", "kernel": "sleep", "args": {"seconds": 1.5}}
                 nursery.start_soon(work, running, slow)
                 await trio.sleep(0.3)
-                with trio.fail_after(1):  # answered while the kernel still runs
-                    async with trio.open_nursery() as junk:
+                # Refused, never queued: queued junk would meet a full queue (429).
+                with trio.fail_after(10):
+                    async with trio.open_nursery() as flood:
                         for _ in range(100):
-                            junk.start_soon(work, "v4.public.junk", {"op": "execute"})
-                assert [r.status_code for r in replies] == [401] * 100
-                assert {error_code(r) for r in replies} == {"bad_encoding"}
-                await work(tenant, {"op": "execute", "kernel": "noop"})
-                assert replies[-1].status_code == 200, replies[-1].text
+                            flood.start_soon(junk_work)
+                assert [r.status_code for r in junk] == [401] * 100
+                assert {error_code(r) for r in junk} == {"bad_encoding"}
+                served = await work(tenant, {"op": "execute", "kernel": "noop"})
+                assert served.status_code == 200, served.text
 
 
 async def test_exhaustion_lane_work_without_a_valid_token_is_refused_before_the_body(
