@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PACKAGES := node capabilities supervisor api
+PACKAGES := node capabilities supervisor api lanehost
 
 .PHONY: run test lint typecheck pytest bench contracts clean system-run system-test
 

@@ -17,6 +17,8 @@ from api.errors import ErrorEnvelope
 from api.openapi import openapi_document
 from api.wire import DrainReply, IntrospectionRequest
 from capabilities import Claims, Introspection, KeySet
+from lanehost.protocol import Reply as LaneHostReply
+from lanehost.protocol import Request as LaneHostRequest
 from node.config import Config
 from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
@@ -58,6 +60,9 @@ PUBLIC_TYPES: dict[str, Any] = {
     "key_set": KeySet,
     "introspection_request": IntrospectionRequest,
     "introspection": Introspection,
+    # The lane owner <-> lane host protocol (msgpack on the wire; docs/lane-host-protocol.md).
+    "lane_host_request": LaneHostRequest,
+    "lane_host_reply": LaneHostReply,
 }
 OPENAPI_FILE = "openapi.json"
 

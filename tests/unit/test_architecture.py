@@ -9,17 +9,20 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("node", "capabilities", "supervisor", "api")
+PACKAGES = ("node", "capabilities", "supervisor", "api", "lanehost")
 # The layers, bottom up, and what each may import of the others (docs/architecture.md).
 # "node" is the application (CLI, flags, config, daemon wiring): it may import every
 # layer and no layer may import it.
-LAYERS = ("node.machine", "capabilities", "supervisor", "api", "node")
+# "lanehost" is the lane host process: it imports nothing of the daemon, and only the
+# supervisor (its client) and the application (its contracts) import it.
+LAYERS = ("lanehost", "node.machine", "capabilities", "supervisor", "api", "node")
 ALLOWED = {
+    "lanehost": set(),
     "node.machine": set(),
     "capabilities": set(),
-    "supervisor": {"node.machine", "capabilities"},
+    "supervisor": {"lanehost", "node.machine", "capabilities"},
     "api": {"node.machine", "capabilities", "supervisor"},
-    "node": {"node.machine", "capabilities", "supervisor", "api"},
+    "node": {"lanehost", "node.machine", "capabilities", "supervisor", "api"},
 }
 # The modules of the project, by dotted name, found from the files in the checkout.
 MODULES = {
@@ -155,6 +158,14 @@ PUBLIC_NAMES: dict[str, set[str]] = {
         "UnknownInvocation",
     },
     "api": {"ApiError", "ErrorEnvelope", "create_app"},
+    "lanehost": {
+        "MAX_DATA_BYTES",
+        "MAX_FRAME_BYTES",
+        "PROTOCOL_VERSION",
+        "Kernel",
+        "KernelError",
+        "load_kernels",
+    },
 }
 
 

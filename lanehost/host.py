@@ -1,0 +1,157 @@
+"""The lane host process: reads request frames on stdin, writes reply frames on stdout.
+
+It serves one request at a time until stdin reaches EOF (its owner closed the
+pipe or died), then exits 0. A frame whose declared length is over the bound
+breaks the framing: the host answers `frame_too_large` and exits 2. Logs go to
+stderr; file descriptor 1 is pointed at stderr too, so nothing a library
+prints can land inside the protocol stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import msgspec
+
+from lanehost.backend import BackendUnavailable, select_backend
+from lanehost.kernels import load_kernels
+from lanehost.protocol import (
+    HEADER,
+    ErrorReply,
+    FrameError,
+    Reply,
+    decode_request,
+    encode,
+    frame_length,
+)
+from lanehost.state import LaneState
+
+__all__ = ["main", "serve"]
+
+log = logging.getLogger("lanehost")
+
+EXIT_BROKEN_STREAM = 2
+
+
+class _IdOnly(msgspec.Struct):
+    """Enough of a request to answer it when the rest fails validation."""
+
+    id: int = 0
+
+
+class _EndOfStream(Exception):
+    pass
+
+
+def _read_exact(fd: int, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        count = os.readv(fd, [view[got:]])
+        if count == 0:
+            raise _EndOfStream(got)
+        got += count
+    return buf
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _send(fd: int, reply: Reply) -> None:
+    try:
+        header, payload = encode(reply)
+    except FrameError as exc:
+        header, payload = encode(ErrorReply(id=reply.id, code="kernel_failed", message=str(exc)))
+    _write_all(fd, header)
+    _write_all(fd, payload)
+
+
+def _answer(state: LaneState, payload: bytearray) -> Reply:
+    try:
+        return state.handle(decode_request(payload))
+    except msgspec.ValidationError as exc:
+        try:
+            request_id = msgspec.msgpack.decode(payload, type=_IdOnly).id
+        except msgspec.MsgspecError:
+            request_id = 0
+        if request_id > 0:
+            return ErrorReply(id=request_id, code="bad_args", message=str(exc))
+        return ErrorReply(id=0, code="bad_request", message=str(exc))
+    except msgspec.DecodeError as exc:
+        return ErrorReply(id=0, code="bad_request", message=str(exc))
+
+
+def serve(in_fd: int, out_fd: int, state: LaneState) -> int:
+    """Serve frames until EOF; the exit status."""
+    while True:
+        try:
+            header = _read_exact(in_fd, HEADER.size)
+        except _EndOfStream as exc:
+            if exc.args[0] == 0:
+                return 0  # the owner closed the pipe between frames
+            log.error("stream ended inside a frame header")
+            return EXIT_BROKEN_STREAM
+        try:
+            length = frame_length(bytes(header))
+        except FrameError as exc:
+            log.error("%s; closing", exc)
+            _send(out_fd, ErrorReply(id=0, code="frame_too_large", message=str(exc)))
+            return EXIT_BROKEN_STREAM
+        try:
+            payload = _read_exact(in_fd, length)
+        except _EndOfStream:
+            log.error("stream ended inside a frame of %d bytes", length)
+            return EXIT_BROKEN_STREAM
+        _send(out_fd, _answer(state, payload))
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m lanehost", description=__doc__)
+    parser.add_argument("--lane-id", required=True)
+    parser.add_argument("--memory-bytes", type=int, required=True, help="the lane's budget")
+    parser.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
+    args = parser.parse_args(argv)
+    if args.memory_bytes < 0:
+        parser.error("--memory-bytes must be >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"lanehost[{args.lane_id}] %(levelname)s %(name)s: %(message)s",
+    )
+    # Keep private copies of the protocol pipes, then point 0 at /dev/null and
+    # 1 at stderr: a stray print() or a library's banner cannot corrupt a frame.
+    in_fd, out_fd = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    try:
+        backend = select_backend(args.backend)
+    except BackendUnavailable as exc:
+        log.error("backend %s unavailable: %s", args.backend, exc)
+        return EXIT_BROKEN_STREAM
+    kernels = load_kernels()
+    log.info(
+        "serving: backend %s on %s, %d bytes, kernels %s",
+        backend.name,
+        backend.device,
+        args.memory_bytes,
+        ",".join(sorted(kernels)),
+    )
+    try:
+        return serve(in_fd, out_fd, LaneState(backend, args.memory_bytes, kernels))
+    except BrokenPipeError:
+        return 0  # the owner went away while we answered

@@ -1,0 +1,280 @@
+"""The lane host protocol, version 1: what the lane owner and its lane host say.
+
+Every message travels as one frame: a 4-byte big-endian unsigned length, then
+that many bytes of msgpack (msgspec). A frame's payload is at most
+`MAX_FRAME_BYTES` (64 MiB of data plus 64 KiB for the envelope); a longer
+declared length is a protocol error on either side and is never allocated.
+The owner sends one request and waits for its reply before the next; every
+reply carries the id of the request it answers. docs/lane-host-protocol.md
+is the prose version of this module.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Literal
+
+import msgspec
+
+__all__ = [
+    "BUFFER_ID_PATTERN",
+    "DTYPES",
+    "ERROR_CODES",
+    "HEADER",
+    "KERNEL_NAME_PATTERN",
+    "MAX_ARGS",
+    "MAX_BUFFERS",
+    "MAX_DATA_BYTES",
+    "MAX_DIMS",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Alloc",
+    "AllocReply",
+    "Dtype",
+    "ErrorCode",
+    "ErrorReply",
+    "FrameError",
+    "Free",
+    "FreeAll",
+    "FreeAllReply",
+    "FreeReply",
+    "Hello",
+    "HelloReply",
+    "Read",
+    "ReadReply",
+    "Reply",
+    "Request",
+    "Run",
+    "RunReply",
+    "Scalar",
+    "Stats",
+    "StatsReply",
+    "Write",
+    "WriteReply",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "frame_length",
+]
+
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct(">I")
+MAX_DATA_BYTES = 64 * 1024 * 1024  # one Write's data or one Read's length
+MAX_FRAME_BYTES = MAX_DATA_BYTES + 64 * 1024  # payload bound; the header is 4 more bytes
+MAX_BUFFERS = 4096  # live buffers per lane, as the lane owner bounds them
+MAX_DIMS = 8
+MAX_ARGS = 32  # scalar args, and named buffers, per Run
+
+BUFFER_ID_PATTERN = r"^[A-Za-z0-9_]{1,64}$"
+KERNEL_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+
+Dtype = Literal["float32", "float16", "float64", "int32", "int64", "uint8"]
+DTYPES: tuple[str, ...] = ("float32", "float16", "float64", "int32", "int64", "uint8")
+
+ErrorCode = Literal[
+    "bad_request",  # the frame did not decode as a request
+    "unsupported_version",  # Hello named a version this host does not speak
+    "frame_too_large",  # a declared length over MAX_FRAME_BYTES; the host then exits
+    "bad_args",
+    "unknown_buffer",
+    "unknown_kernel",
+    "out_of_range",
+    "out_of_memory",
+    "too_many_buffers",
+    "dtype_mismatch",
+    "shape_mismatch",
+    "kernel_failed",
+]
+ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
+
+_Id = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+_BufferId = Annotated[str, msgspec.Meta(pattern=BUFFER_ID_PATTERN)]
+_Offset = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+_Dim = Annotated[int, msgspec.Meta(ge=1, le=2**40)]
+_Bytes = Annotated[int, msgspec.Meta(ge=0)]
+Scalar = bool | int | float
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+# -- requests (tag field "op") -------------------------------------------------
+
+
+class Hello(_Message, frozen=True, tag="hello", tag_field="op"):
+    """First request on a fresh host; anything else before it is refused."""
+
+    id: _Id
+    version: int
+
+
+class Alloc(_Message, frozen=True, tag="alloc", tag_field="op"):
+    """A zeroed buffer of prod(shape) * itemsize bytes, charged to the lane's budget."""
+
+    id: _Id
+    buffer_id: _BufferId
+    dtype: Dtype
+    shape: Annotated[tuple[_Dim, ...], msgspec.Meta(min_length=1, max_length=MAX_DIMS)]
+
+
+class Free(_Message, frozen=True, tag="free", tag_field="op"):
+    id: _Id
+    buffer_id: _BufferId
+
+
+class FreeAll(_Message, frozen=True, tag="free_all", tag_field="op"):
+    """Frees the listed buffers; ids the host does not hold are skipped."""
+
+    id: _Id
+    buffer_ids: Annotated[list[_BufferId], msgspec.Meta(max_length=MAX_BUFFERS)]
+
+
+class Write(_Message, frozen=True, tag="write", tag_field="op"):
+    """Copies `data` into the buffer's bytes starting at byte `offset`."""
+
+    id: _Id
+    buffer_id: _BufferId
+    offset: _Offset
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_DATA_BYTES)]
+
+
+class Read(_Message, frozen=True, tag="read", tag_field="op"):
+    id: _Id
+    buffer_id: _BufferId
+    offset: _Offset
+    length: Annotated[int, msgspec.Meta(ge=0, le=MAX_DATA_BYTES)]
+
+
+class Run(_Message, frozen=True, tag="run", tag_field="op"):
+    """Runs a trusted kernel from the host's registry, by name."""
+
+    id: _Id
+    kernel: Annotated[str, msgspec.Meta(pattern=KERNEL_NAME_PATTERN)]
+    args: Annotated[dict[str, Scalar], msgspec.Meta(max_length=MAX_ARGS)] = msgspec.field(
+        default_factory=dict
+    )
+    buffers: Annotated[dict[str, _BufferId], msgspec.Meta(max_length=MAX_ARGS)] = msgspec.field(
+        default_factory=dict
+    )
+
+
+class Stats(_Message, frozen=True, tag="stats", tag_field="op"):
+    id: _Id
+
+
+Request = Hello | Alloc | Free | FreeAll | Write | Read | Run | Stats
+
+
+# -- replies (tag field "reply") -----------------------------------------------
+
+
+class HelloReply(_Message, frozen=True, tag="hello", tag_field="reply"):
+    id: _Id
+    version: int
+    backend: Literal["numpy", "cupy"]
+    device: str  # "host" for NumPy; the device's name and UUID for CuPy
+    memory_total: _Bytes  # the lane's budget, --memory-bytes
+    kernels: list[str]
+
+
+class AllocReply(_Message, frozen=True, tag="alloc", tag_field="reply"):
+    id: _Id
+    buffer_id: str
+    nbytes: _Bytes
+
+
+class FreeReply(_Message, frozen=True, tag="free", tag_field="reply"):
+    id: _Id
+    nbytes: _Bytes
+
+
+class FreeAllReply(_Message, frozen=True, tag="free_all", tag_field="reply"):
+    id: _Id
+    freed: _Bytes  # buffers freed
+    nbytes: _Bytes  # bytes given back to the budget
+
+
+class WriteReply(_Message, frozen=True, tag="write", tag_field="reply"):
+    id: _Id
+    nbytes: _Bytes
+
+
+class ReadReply(_Message, frozen=True, tag="read", tag_field="reply"):
+    id: _Id
+    data: bytes
+
+
+class RunReply(_Message, frozen=True, tag="run", tag_field="reply"):
+    id: _Id
+    result: dict[str, Scalar]
+
+
+class StatsReply(_Message, frozen=True, tag="stats", tag_field="reply"):
+    id: _Id
+    used: _Bytes
+    free: _Bytes
+    total: _Bytes
+    buffers: _Bytes
+
+
+class ErrorReply(_Message, frozen=True, tag="error", tag_field="reply"):
+    """The request failed and changed nothing (except `kernel_failed`: see the docs).
+
+    `id` is 0 when the frame could not be read as a request at all.
+    """
+
+    id: Annotated[int, msgspec.Meta(ge=0)]
+    code: ErrorCode
+    message: str
+
+
+Reply = (
+    HelloReply
+    | AllocReply
+    | FreeReply
+    | FreeAllReply
+    | WriteReply
+    | ReadReply
+    | RunReply
+    | StatsReply
+    | ErrorReply
+)
+
+
+# -- framing -------------------------------------------------------------------
+
+
+class FrameError(Exception):
+    """A frame that breaks the framing: the stream can no longer be trusted."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Request | Reply) -> tuple[bytes, bytes]:
+    """(header, payload) of one frame; FrameError if the payload is over the bound."""
+    payload = _encoder.encode(message)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(payload)} bytes is over {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(payload)), payload
+
+
+def frame_length(header: bytes) -> int:
+    """The payload length a header declares; FrameError over the bound."""
+    (length,) = HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"declared frame of {length} bytes is over {MAX_FRAME_BYTES}")
+    return int(length)
+
+
+def decode_request(payload: bytes | bytearray | memoryview) -> Request:
+    """msgspec.ValidationError / DecodeError on a payload that is not a request."""
+    return _request_decoder.decode(payload)
+
+
+def decode_reply(payload: bytes | bytearray | memoryview) -> Reply:
+    return _reply_decoder.decode(payload)

@@ -1,0 +1,69 @@
+"""A real lane host subprocess behind the owner's client, and fake hosts that misbehave."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+from supervisor.lane_host import LaneHost
+
+BUDGET = 1 << 20  # the lane's VRAM budget in these tests: 1 MiB
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead, waiting for a parent to reap it)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+async def wait_gone(pid: int, seconds: float = 10.0) -> bool:
+    with trio.move_on_after(seconds):
+        while not process_gone(pid):  # noqa: ASYNC110 - /proc is polled, nothing signals
+            await trio.sleep(0.02)
+    return process_gone(pid)
+
+
+@pytest.fixture
+async def host() -> AsyncIterator[LaneHost]:
+    async with LaneHost("lane_test", BUDGET, backend="numpy", op_timeout=10.0) as started:
+        yield started
+
+
+def fake_host(tmp_path: pathlib.Path, body: str) -> list[str]:
+    """The command of a host that runs `body` (with `sys`, `os`, `time` and the
+    protocol module imported as `p`) instead of serving the protocol."""
+    script = tmp_path / "fake_host.py"
+    script.write_text(
+        "import os, sys, time\nimport lanehost.protocol as p\n" + textwrap.dedent(body)
+    )
+    return [sys.executable, str(script)]
+
+
+HELLO_THEN = """
+def read_frame():
+    n = p.frame_length(os.read(0, 4))
+    data = b""
+    while len(data) < n:
+        data += os.read(0, n - len(data))
+    return p.decode_request(data)
+
+def send(reply):
+    header, payload = p.encode(reply)
+    os.write(1, header + payload)
+
+hello = read_frame()
+send(p.HelloReply(id=hello.id, version=p.PROTOCOL_VERSION, backend="numpy",
+                  device="host", memory_total=int(sys.argv[sys.argv.index("--memory-bytes") + 1]),
+                  kernels=["noop"]))
+request = read_frame()
+"""
+
+__all__ = ["BUDGET", "HELLO_THEN", "fake_host", "host", "process_gone", "wait_gone"]

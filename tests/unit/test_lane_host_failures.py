@@ -1,0 +1,280 @@
+"""A lane host that crashes, hangs, garbles or speaks another version is killed, and
+the owner gets `LaneHostFailed`; the host never outlives the daemon."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import pytest
+import trio
+
+from lanehost.protocol import (
+    HEADER,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    decode_reply,
+    encode,
+    frame_length,
+)
+from supervisor.lane_host import LaneHost, LaneHostFailed, host_environment
+from tests.lanehost_fixtures import BUDGET, HELLO_THEN, fake_host, host, process_gone, wait_gone
+
+__all__ = ["host"]
+
+
+async def fails_while_stuck(host: LaneHost, meanwhile: Callable[[], Awaitable[object]]) -> str:
+    """Stop the host, send a request, run `meanwhile` once it is in flight; the
+    request's failure reason."""
+    assert host.pid is not None
+    os.kill(host.pid, signal.SIGSTOP)  # so the request is surely in flight
+    failure: list[LaneHostFailed] = []
+
+    async def request() -> None:
+        with pytest.raises(LaneHostFailed) as caught:
+            await host.run("noop", seconds=30)
+        failure.append(caught.value)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request)
+            await trio.sleep(0.2)
+            await meanwhile()
+    return failure[0].reason
+
+
+async def test_a_host_killed_mid_request_fails_the_request(host: LaneHost) -> None:
+    pid = host.pid
+    assert pid is not None
+
+    async def kill() -> None:
+        os.kill(pid, signal.SIGKILL)
+
+    assert await fails_while_stuck(host, kill) == "crashed"
+    assert process_gone(pid)
+    with pytest.raises(LaneHostFailed) as again:
+        await host.stats()
+    assert again.value.reason == "crashed"
+
+
+async def test_a_hung_host_times_out_and_is_gone(host: LaneHost) -> None:
+    pid = host.pid
+    assert pid is not None
+    await host.alloc("a", "float32", (4,))
+    os.kill(pid, signal.SIGSTOP)
+    with trio.fail_after(5):
+        with pytest.raises(LaneHostFailed) as caught:
+            await host.read("a", 0, 16, seconds=0.3)
+    assert caught.value.reason == "timeout"
+    assert process_gone(pid)
+    assert not host.running
+
+
+async def test_a_cancelled_request_kills_the_host(host: LaneHost) -> None:
+    pid = host.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    with trio.move_on_after(0.2):
+        await host.run("noop")
+    assert process_gone(pid)  # half a conversation cannot be resumed
+    with pytest.raises(LaneHostFailed):
+        await host.run("noop")
+
+
+async def test_aclose_ends_the_host_and_later_calls_fail_closed() -> None:
+    lane = LaneHost("lane_test", BUDGET, backend="numpy")
+    await lane.start()
+    pid = lane.pid
+    assert pid is not None
+    await lane.aclose()
+    assert process_gone(pid)
+    with pytest.raises(LaneHostFailed) as caught:
+        await lane.stats()
+    assert caught.value.reason == "closed"
+
+
+async def test_aclose_kills_a_host_stuck_in_a_request(host: LaneHost) -> None:
+    pid = host.pid
+    assert pid is not None
+    assert await fails_while_stuck(host, host.aclose) == "closed"
+    assert process_gone(pid)
+
+
+async def test_a_host_that_never_answers_hello_fails_start(tmp_path: pathlib.Path) -> None:
+    lane = LaneHost(
+        "lane_test", BUDGET, command=fake_host(tmp_path, "time.sleep(60)"), start_timeout=0.5
+    )
+    with trio.fail_after(5), pytest.raises(LaneHostFailed) as caught:
+        await lane.start()
+    assert caught.value.reason == "timeout"
+    assert lane.pid is not None and process_gone(lane.pid)
+
+
+async def test_a_host_that_exits_at_start_fails_start(tmp_path: pathlib.Path) -> None:
+    lane = LaneHost("lane_test", BUDGET, command=fake_host(tmp_path, "sys.exit(3)"))
+    with pytest.raises(LaneHostFailed) as caught:
+        await lane.start()
+    assert caught.value.reason == "start_failed"
+    assert "exit status 3" in str(caught.value)
+
+
+async def test_a_missing_host_command_fails_start(tmp_path: pathlib.Path) -> None:
+    lane = LaneHost("lane_test", BUDGET, command=[str(tmp_path / "no-such-host")])
+    with pytest.raises(LaneHostFailed) as caught:
+        await lane.start()
+    assert caught.value.reason == "start_failed"
+
+
+async def test_the_cupy_backend_without_a_gpu_fails_start() -> None:
+    lane = LaneHost("lane_test", BUDGET, backend="cupy", visible_devices=["GPU-none"])
+    with pytest.raises(LaneHostFailed) as caught:
+        await lane.start()
+    assert caught.value.reason == "start_failed"
+
+
+@pytest.mark.parametrize("version", [PROTOCOL_VERSION + 1, 0])
+async def test_a_host_of_another_version_is_refused(tmp_path: pathlib.Path, version: int) -> None:
+    body = HELLO_THEN.replace("version=p.PROTOCOL_VERSION", f"version={version}")
+    lane = LaneHost("lane_test", BUDGET, command=fake_host(tmp_path, body))
+    with pytest.raises(LaneHostFailed) as caught:
+        await lane.start()
+    assert caught.value.reason == "version"
+    assert lane.pid is not None and await wait_gone(lane.pid)
+
+
+def test_the_host_refuses_an_owner_of_another_version() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lanehost", "--lane-id", "x", "--memory-bytes", "16"],
+        input=b"".join(encode(Hello(id=1, version=PROTOCOL_VERSION + 1))),
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )
+    reply = decode_reply(proc.stdout[HEADER.size :])
+    assert isinstance(reply, ErrorReply) and reply.code == "unsupported_version"
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "os.write(1, (2**32 - 1).to_bytes(4, 'big'))",  # a length far over the bound
+        f"os.write(1, ({MAX_FRAME_BYTES} + 1).to_bytes(4, 'big'))",
+        "os.write(1, (3).to_bytes(4, 'big') + b'abc')",  # not msgpack
+        "send(p.StatsReply(id=99, used=0, free=0, total=0, buffers=0))",  # another id
+        "send(p.StatsReply(id=request.id, used=0, free=0, total=0, buffers=0))",  # wrong type
+    ],
+)
+async def test_a_garbled_reply_kills_the_host(tmp_path: pathlib.Path, garbage: str) -> None:
+    body = HELLO_THEN + garbage + "\ntime.sleep(60)\n"
+    lane = LaneHost("lane_test", BUDGET, command=fake_host(tmp_path, body))
+    await lane.start()
+    with trio.fail_after(5), pytest.raises(LaneHostFailed) as caught:
+        await lane.run("noop")
+    assert caught.value.reason == "protocol"
+    assert lane.pid is not None and process_gone(lane.pid)
+
+
+def test_the_host_refuses_an_oversized_frame_without_reading_it() -> None:
+    header = HEADER.pack(MAX_FRAME_BYTES + 1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lanehost", "--lane-id", "x", "--memory-bytes", "16"],
+        input=b"".join(encode(Hello(id=1, version=PROTOCOL_VERSION))) + header + b"x" * 100,
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 2
+    out = proc.stdout
+    first = frame_length(out[: HEADER.size])
+    assert isinstance(decode_reply(out[HEADER.size : HEADER.size + first]), HelloReply)
+    second = out[HEADER.size + first :]
+    reply = decode_reply(second[HEADER.size :])
+    assert isinstance(reply, ErrorReply) and (reply.id, reply.code) == (0, "frame_too_large")
+
+
+def test_the_host_answers_undecodable_frames_and_stays_in_step() -> None:
+    frames = [
+        encode(Hello(id=1, version=PROTOCOL_VERSION)),
+        (HEADER.pack(3), b"\xc1\xc1\xc1"),  # not msgpack
+        (HEADER.pack(2), b"\x81\xa0"),  # msgpack, not a request
+    ]
+    stats = msgspec.msgpack.encode({"op": "stats", "id": 4})
+    frames.append((HEADER.pack(len(stats)), stats))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lanehost", "--lane-id", "x", "--memory-bytes", "16"],
+        input=b"".join(h + p for h, p in frames),
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )
+    replies, out = [], proc.stdout
+    while out:
+        n = frame_length(out[: HEADER.size])
+        replies.append(decode_reply(out[HEADER.size : HEADER.size + n]))
+        out = out[HEADER.size + n :]
+    assert [type(r).__name__ for r in replies] == [
+        "HelloReply",
+        "ErrorReply",
+        "ErrorReply",
+        "StatsReply",
+    ]
+    assert [(r.id, r.code) for r in replies[1:3] if isinstance(r, ErrorReply)] == [
+        (0, "bad_request"),
+        (0, "bad_request"),
+    ]
+
+
+def test_the_host_environment_names_only_the_lanes_devices() -> None:
+    parent = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "GPU-all", "SECRET": "x"}
+    gpu = host_environment(["MIG-1234"], {}, parent)
+    assert gpu == {
+        "PATH": "/bin",
+        "CUDA_VISIBLE_DEVICES": "MIG-1234",
+        "NVIDIA_VISIBLE_DEVICES": "MIG-1234",
+    }
+    cpu = host_environment([], {"CUDA_VISIBLE_DEVICES": "GPU-all"}, parent)
+    assert cpu["CUDA_VISIBLE_DEVICES"] == "" == cpu["NVIDIA_VISIBLE_DEVICES"]
+
+
+PARENT = """
+import sys, trio
+from supervisor.lane_host import LaneHost
+
+async def main():
+    lane = LaneHost("lane_test", 16, command=sys.argv[1:], start_timeout=60)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lane.start)
+        while lane.pid is None:
+            await trio.sleep(0.01)
+        print(lane.pid, flush=True)
+
+trio.run(main)
+"""
+
+
+def test_a_sigkilled_daemon_takes_its_host_with_it(tmp_path: pathlib.Path) -> None:
+    # The fake host never reads its stdin, so only PR_SET_PDEATHSIG can end it.
+    command = fake_host(tmp_path, "time.sleep(60)")
+    parent_script = tmp_path / "daemon.py"
+    parent_script.write_text(textwrap.dedent(PARENT))
+    with subprocess.Popen(
+        [sys.executable, str(parent_script), *command], stdout=subprocess.PIPE, text=True
+    ) as parent:
+        try:
+            assert parent.stdout is not None
+            host_pid = int(parent.stdout.readline())
+            assert not process_gone(host_pid)
+            parent.kill()
+            parent.wait(timeout=10)
+            assert trio.run(wait_gone, host_pid)
+        finally:
+            parent.kill()
