@@ -36,17 +36,18 @@ class Backend:
         # Zeroed, so a buffer never shows what an earlier tenant left in that memory.
         return self.xp.zeros(shape, dtype=dtype)
 
-    def write(self, array: Any, offset: int, data: bytes) -> None:
+    def write(self, array: Any, offset: int, data: bytes | memoryview) -> None:
         flat = array.reshape(-1).view(self.xp.uint8)
         chunk = np.frombuffer(data, dtype=np.uint8)
         if self.name == "cupy":
             chunk = self.xp.asarray(chunk)
         flat[offset : offset + len(data)] = chunk
 
-    def read(self, array: Any, offset: int, length: int) -> bytes:
+    def read(self, array: Any, offset: int, length: int) -> memoryview:
+        """A view of the bytes (a host copy first on CuPy), valid until the buffer changes."""
         flat = array.reshape(-1).view(self.xp.uint8)[offset : offset + length]
         host = flat if self.name == "numpy" else self.xp.asnumpy(flat)
-        return bytes(host.tobytes())
+        return memoryview(host)
 
     def synchronize(self) -> None:
         # CuPy kernels are asynchronous: wait, so a reply means the work is done

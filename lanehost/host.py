@@ -21,12 +21,15 @@ from lanehost.backend import BackendUnavailable, select_backend
 from lanehost.kernels import load_kernels
 from lanehost.protocol import (
     HEADER,
+    EndOfStream,
     ErrorReply,
     FrameError,
+    FrameReader,
     Reply,
     decode_request,
     encode,
     frame_length,
+    joined,
 )
 from lanehost.state import LaneState
 
@@ -43,20 +46,11 @@ class _IdOnly(msgspec.Struct):
     id: int = 0
 
 
-class _EndOfStream(Exception):
-    pass
-
-
-def _read_exact(fd: int, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+def _read_exact(reader: FrameReader, n: int) -> bytearray:
+    out, got = reader.start(n)
     while got < n:
-        count = os.readv(fd, [view[got:]])
-        if count == 0:
-            raise _EndOfStream(got)
-        got += count
-    return buf
+        got = reader.read_into(out, got)
+    return out
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -70,8 +64,8 @@ def _send(fd: int, reply: Reply) -> None:
         header, payload = encode(reply)
     except FrameError as exc:
         header, payload = encode(ErrorReply(id=reply.id, code="kernel_failed", message=str(exc)))
-    _write_all(fd, header)
-    _write_all(fd, payload)
+    for data in joined(header, payload):
+        _write_all(fd, data)
 
 
 def _answer(state: LaneState, payload: bytearray) -> Reply:
@@ -91,10 +85,11 @@ def _answer(state: LaneState, payload: bytearray) -> Reply:
 
 def serve(in_fd: int, out_fd: int, state: LaneState) -> int:
     """Serve frames until EOF; the exit status."""
+    reader = FrameReader(in_fd)
     while True:
         try:
-            header = _read_exact(in_fd, HEADER.size)
-        except _EndOfStream as exc:
+            header = _read_exact(reader, HEADER.size)
+        except EndOfStream as exc:
             if exc.args[0] == 0:
                 return 0  # the owner closed the pipe between frames
             log.error("stream ended inside a frame header")
@@ -106,8 +101,8 @@ def serve(in_fd: int, out_fd: int, state: LaneState) -> int:
             _send(out_fd, ErrorReply(id=0, code="frame_too_large", message=str(exc)))
             return EXIT_BROKEN_STREAM
         try:
-            payload = _read_exact(in_fd, length)
-        except _EndOfStream:
+            payload = _read_exact(reader, length)
+        except EndOfStream:
             log.error("stream ended inside a frame of %d bytes", length)
             return EXIT_BROKEN_STREAM
         _send(out_fd, _answer(state, payload))

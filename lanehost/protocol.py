@@ -11,6 +11,7 @@ is the prose version of this module.
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Annotated, Literal
 
@@ -31,9 +32,11 @@ __all__ = [
     "Alloc",
     "AllocReply",
     "Dtype",
+    "EndOfStream",
     "ErrorCode",
     "ErrorReply",
     "FrameError",
+    "FrameReader",
     "Free",
     "FreeAll",
     "FreeAllReply",
@@ -55,6 +58,7 @@ __all__ = [
     "decode_request",
     "encode",
     "frame_length",
+    "joined",
 ]
 
 PROTOCOL_VERSION = 1
@@ -137,7 +141,8 @@ class Write(_Message, frozen=True, tag="write", tag_field="op"):
     id: _Id
     buffer_id: _BufferId
     offset: _Offset
-    data: Annotated[bytes, msgspec.Meta(max_length=MAX_DATA_BYTES)]
+    # A view into the received frame: the host copies it once, into the buffer.
+    data: Annotated[memoryview, msgspec.Meta(max_length=MAX_DATA_BYTES)]
 
 
 class Read(_Message, frozen=True, tag="read", tag_field="op"):
@@ -203,7 +208,7 @@ class WriteReply(_Message, frozen=True, tag="write", tag_field="reply"):
 
 class ReadReply(_Message, frozen=True, tag="read", tag_field="reply"):
     id: _Id
-    data: bytes
+    data: memoryview  # encoded straight from the buffer; decoded as a view of the frame
 
 
 class RunReply(_Message, frozen=True, tag="run", tag_field="reply"):
@@ -278,3 +283,52 @@ def decode_request(payload: bytes | bytearray | memoryview) -> Request:
 
 def decode_reply(payload: bytes | bytearray | memoryview) -> Reply:
     return _reply_decoder.decode(payload)
+
+
+SMALL_READ = 64 * 1024  # below this, read a whole chunk: one syscall for a small frame
+
+
+class EndOfStream(Exception):
+    """The peer closed its end; `args[0]` is how many bytes of the read had arrived."""
+
+
+class FrameReader:
+    """Reads exact byte counts from a pipe with few syscalls, for both ends.
+
+    A small read takes a whole chunk and keeps what is past the frame for the
+    next one; a large one reads straight into the frame's own buffer. Blocking
+    or not is the fd's: a non-blocking one raises BlockingIOError to wait on.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._pending = bytearray()  # bytes read past the end of the last frame
+
+    def start(self, n: int) -> tuple[bytearray, int]:
+        """A buffer for n bytes, holding what is already here, and how many that is."""
+        out = bytearray(n)
+        got = min(n, len(self._pending))
+        out[:got] = self._pending[:got]
+        del self._pending[:got]
+        return out, got
+
+    def read_into(self, out: bytearray, got: int) -> int:
+        """One read towards filling `out`; the new count of bytes in it."""
+        view = memoryview(out)[got:]
+        if len(view) >= SMALL_READ:
+            count = os.readv(self.fd, [view])
+            if count == 0:
+                raise EndOfStream(got)
+            return got + count
+        chunk = os.read(self.fd, SMALL_READ)
+        if not chunk:
+            raise EndOfStream(got)
+        take = min(len(chunk), len(view))
+        view[:take] = chunk[:take]
+        self._pending += chunk[take:]
+        return got + take
+
+
+def joined(header: bytes, payload: bytes) -> list[bytes]:
+    """What to write for one frame: one write when small, no copy of a large payload."""
+    return [header + payload] if len(payload) < SMALL_READ else [header, payload]

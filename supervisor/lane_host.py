@@ -33,8 +33,10 @@ from lanehost.protocol import (
     PROTOCOL_VERSION,
     Alloc,
     AllocReply,
+    EndOfStream,
     ErrorReply,
     FrameError,
+    FrameReader,
     Free,
     FreeAll,
     FreeAllReply,
@@ -55,6 +57,7 @@ from lanehost.protocol import (
     decode_reply,
     encode,
     frame_length,
+    joined,
 )
 from supervisor.process import DEVICE_ENV_NAMES, ENV_ALLOW_LIST
 
@@ -93,10 +96,6 @@ class LaneHostError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
-
-
-class _EndOfStream(Exception):
-    pass
 
 
 def _libc_prctl() -> Callable[..., int] | None:
@@ -181,6 +180,7 @@ class LaneHost:
         self._pidfd: int | None = None
         self._to_host: int | None = None
         self._from_host: int | None = None
+        self._reader: FrameReader | None = None
         self._ids = 0
         self._hello: HelloReply | None = None
         self._closed = False
@@ -262,6 +262,7 @@ class LaneHost:
             _widen_pipe(fd)
             os.set_blocking(fd, False)
         self._to_host, self._from_host = to_host, from_host
+        self._reader = FrameReader(from_host)
         try:
             self._pidfd = os.pidfd_open(self._popen.pid)
         except OSError:
@@ -298,14 +299,14 @@ class LaneHost:
     async def write(
         self, buffer_id: str, offset: int, data: bytes, *, seconds: float | None = None
     ) -> int:
-        msg = Write(id=0, buffer_id=buffer_id, offset=offset, data=data)
+        msg = Write(id=0, buffer_id=buffer_id, offset=offset, data=memoryview(data))
         return (await self._call(msg, WriteReply, seconds)).nbytes
 
     async def read(
         self, buffer_id: str, offset: int, length: int, *, seconds: float | None = None
     ) -> bytes:
         msg = Read(id=0, buffer_id=buffer_id, offset=offset, length=length)
-        return (await self._call(msg, ReadReply, seconds)).data
+        return bytes((await self._call(msg, ReadReply, seconds)).data)
 
     async def run(
         self,
@@ -348,13 +349,13 @@ class LaneHost:
         done = False
         try:
             with trio.fail_after(seconds):
-                await self._send(header)
-                await self._send(payload)
+                for data in joined(header, payload):
+                    await self._send(data)
                 reply = await self._receive()
             done = True
         except trio.TooSlowError:
             await self._fail("timeout", f"no answer to {type(request).__name__} in {seconds} s")
-        except (_EndOfStream, OSError) as exc:
+        except (EndOfStream, OSError) as exc:
             with trio.CancelScope(shield=True):
                 await self._end(graceful=True)  # it is on its way out: see how it ended
             status = None if self._popen is None else self._popen.returncode
@@ -390,22 +391,16 @@ class LaneHost:
                 await trio.lowlevel.wait_writable(fd)
 
     async def _read_exact(self, n: int) -> bytearray:
-        fd = self._from_host
-        assert fd is not None
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
+        reader = self._reader
+        assert reader is not None
+        out, got = reader.start(n)
         await trio.lowlevel.checkpoint()
         while got < n:
             try:
-                count = os.readv(fd, [view[got:]])
+                got = reader.read_into(out, got)
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(fd)
-                continue
-            if count == 0:
-                raise _EndOfStream(f"EOF after {got} of {n} bytes")
-            got += count
-        return buf
+                await trio.lowlevel.wait_readable(reader.fd)
+        return out
 
     async def _receive(self) -> Reply:
         length = frame_length(bytes(await self._read_exact(HEADER.size)))
@@ -446,6 +441,7 @@ class LaneHost:
             if fd is not None:
                 os.close(fd)
         self._to_host = self._from_host = None
+        self._reader = None
         popen = self._popen
         if popen is None or popen.returncode is not None:
             return
