@@ -47,6 +47,7 @@ from supervisor.remembered import (
     recorded_status,
     recorded_submit_response,
     request_digest,
+    restart_ended_record,
 )
 from supervisor.runner import RunEnv, run_work
 from supervisor.wire import (
@@ -127,6 +128,7 @@ class Supervisor:
                 self._nursery = nursery
                 for owner in self.owners.values():
                     nursery.start_soon(owner.run)
+                await self._remember_restart_endings()
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -270,6 +272,7 @@ class Supervisor:
                     isolation=request.isolation,
                     vram_bytes=resources.vram_bytes,
                     gpus=max(1, resources.gpus),
+                    request_digest=request_digest(request),
                 )
             )
         except ReservationRefused as refusal:
@@ -404,6 +407,21 @@ class Supervisor:
             except (OSError, JournalError, trio.TooSlowError) as exc:
                 # The group is gone already; a restart's reconcile finds the pid dead.
                 log.error("journal of the end of %s (pid %d) failed: %s", inv.id, inv.pid, exc)
+
+    async def _remember_restart_endings(self) -> None:
+        """What the previous daemon left running ended with it: remember each, so a
+        resubmission answers `failed: node_restarted` instead of running it again."""
+        recovery, replay = self.machine.recovery, self.machine.replay
+        for reservation_id in recovery.released if recovery is not None else ():
+            reservation = replay.reservations.get(reservation_id)
+            if reservation is None or not reservation.request_digest:
+                continue  # journaled before digests were: nothing to compare a retry with
+            if self.machine.ended_invocation(reservation_id) is not None:
+                continue
+            try:
+                await self.machine.invocation_ended(restart_ended_record(reservation))
+            except Exception as exc:  # the node still starts; the id may run again
+                log.error("journal of the restart ending of %s failed: %s", reservation_id, exc)
 
     async def _remember(self, inv: Invocation, state: InvocationState, ended_at: str) -> None:
         """Journal how it ends, so its id does not run again after a restart."""

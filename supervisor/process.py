@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import resource
-import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -41,6 +40,7 @@ from node.machine.procgroup import terminate_group
 from supervisor.identity import become
 from supervisor.output import OutputRing, pump
 from supervisor.sandbox import SandboxSpec, bwrap_argv
+from supervisor.spawn import Child, spawn
 
 __all__ = [
     "ENV_ALLOW_LIST",
@@ -277,7 +277,7 @@ def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[
 # reconcile; it is re-exported here.
 
 
-async def _wait_exit_unreaped(proc: trio.Process, pidfd: int | None) -> None:
+async def _wait_exit_unreaped(proc: Child, pidfd: int | None) -> None:
     """Wait for the leader to exit but leave it a zombie.
 
     While the zombie exists its pid - the group id - cannot be reused, so the
@@ -409,16 +409,13 @@ async def run_process(
     join = cgroup.preexec_join() if cgroup is not None else None
     gate_read, gate_write = os.pipe()
     try:
-        proc = await trio.lowlevel.open_process(
+        proc = await spawn(
             _gated_argv(spec),
             stdin=gate_read,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
             env=env,
             # In a sandbox the guest's folder is bound by bwrap; the guest's uid
             # may not be able to enter the daemon's own working directory.
             cwd="/" if spec.sandbox is not None else spec.cwd,
-            start_new_session=True,
             preexec_fn=_preexec(spec.cpu_affinity, rlimit_as, join, spec.uid),
         )
     except BaseException:
@@ -429,7 +426,6 @@ async def run_process(
         raise
     finally:
         os.close(gate_read)
-    assert proc.stdout is not None and proc.stderr is not None
     pgid = proc.pid  # start_new_session: the child leads its own group
     pidfd = _open_pidfd(proc.pid)
     ended = False
@@ -478,8 +474,7 @@ async def run_process(
         await end_group()
         if pidfd is not None:
             os.close(pidfd)
-        await trio.aclose_forcefully(proc.stdout)
-        await trio.aclose_forcefully(proc.stderr)
+        await proc.aclose()
     if proc.returncode is None:
         raise ProcessStuck(proc.pid)
     return proc.returncode

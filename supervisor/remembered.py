@@ -17,11 +17,24 @@ import msgspec
 
 from node.machine.journal import EndedRecord
 from node.machine.lanes import Isolation, Requirement
+from node.machine.reservation import Reservation
 from node.machine.snapshot import rfc3339
 from supervisor.invocation import Invocation
-from supervisor.wire import InvocationRequest, InvocationState, InvocationStatus, SubmitResponse
+from supervisor.wire import (
+    GrantedLane,
+    InvocationRequest,
+    InvocationState,
+    InvocationStatus,
+    SubmitResponse,
+)
 
-__all__ = ["ended_record", "recorded_status", "recorded_submit_response", "request_digest"]
+__all__ = [
+    "ended_record",
+    "recorded_status",
+    "recorded_submit_response",
+    "request_digest",
+    "restart_ended_record",
+]
 
 
 def request_digest(request: InvocationRequest) -> str:
@@ -38,6 +51,31 @@ def ended_record(inv: Invocation, state: InvocationState, ended_at: str) -> Ende
     return EndedRecord(
         invocation_id=inv.id,
         request_digest=request_digest(inv.request),
+        ended_at=time.time(),
+        outcome=msgspec.json.encode(status),
+    )
+
+
+def restart_ended_record(reservation: Reservation) -> EndedRecord:
+    """An invocation the previous daemon left running ended with it (reconcile released
+    it): remembered as failed with reason `node_restarted`, under its request's digest."""
+    ended_at = rfc3339(datetime.datetime.now(datetime.UTC))
+    status = InvocationStatus(
+        id=reservation.reservation_id,
+        state=InvocationState.failed,
+        reason="node_restarted",
+        requirement=reservation.requirement,
+        isolation=reservation.isolation,
+        lanes=[
+            GrantedLane(lane_id=g.lane_id, kind=g.kind.value, vram_bytes=g.vram_bytes)
+            for g in reservation.lanes
+        ],
+        submitted_at=ended_at,  # not journaled; the end is what the restart knows
+        ended_at=ended_at,
+    )
+    return EndedRecord(
+        invocation_id=reservation.reservation_id,
+        request_digest=reservation.request_digest,
         ended_at=time.time(),
         outcome=msgspec.json.encode(status),
     )

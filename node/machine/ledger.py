@@ -201,6 +201,7 @@ class Ledger:
             lanes=grants,
             isolation=request.isolation,
             requirement=request.requirement,
+            request_digest=request.request_digest,
         )
         self._apply(reservation)
         return reservation

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Collection
+from typing import Protocol
 
 import trio
 
@@ -27,6 +28,7 @@ from node.machine.proc import ProcStat, iter_stats
 __all__ = [
     "KILL_WAIT_SECONDS",
     "POLL_SECONDS",
+    "Leader",
     "group_has_live_member",
     "group_members",
     "live_groups",
@@ -98,7 +100,16 @@ async def wait_groups_gone(pgids: Collection[int], seconds: float) -> set[int]:
     return left
 
 
-async def wait_group_gone(pgid: int, seconds: float, leader: trio.Process | None = None) -> bool:
+class Leader(Protocol):
+    """Our own child leading the group (trio.Process, or the supervisor's own)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def wait_group_gone(pgid: int, seconds: float, leader: Leader | None = None) -> bool:
     """Wait up to `seconds` for the group to empty; `leader`, our own child, is reaped."""
     deadline = trio.current_time() + seconds
     if leader is not None:
@@ -114,7 +125,7 @@ async def terminate_group(
     pgid: int,
     grace: float,
     *,
-    leader: trio.Process | None = None,
+    leader: Leader | None = None,
     kill_wait: float = KILL_WAIT_SECONDS,
 ) -> bool:
     """SIGTERM the process group, wait up to `grace` for it to empty, then SIGKILL.

@@ -52,6 +52,8 @@ class ReservationRequest(msgspec.Struct, frozen=True, kw_only=True):
     gpus: int = 1
     # Pin the grant to one lane (the scheduler chose it); None lets the ledger choose.
     lane_id: str | None = None
+    # Journaled with the reservation (see Reservation.request_digest).
+    request_digest: str = ""
 
 
 class LaneGrant(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +73,8 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     lanes: tuple[LaneGrant, ...]
     isolation: Isolation
     requirement: Requirement
+    # What was asked, as a digest: a restart remembers the invocation it ended by it.
+    request_digest: str = ""
 
     @property
     def visible_devices(self) -> tuple[str, ...]:

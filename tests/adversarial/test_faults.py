@@ -104,10 +104,15 @@ def test_faults_sigkill_journal_holds_every_acknowledged_grant_then_restart_rele
         assert client.get("/v1/snapshot").json()["capacity"] == baseline
         listed = client.get("/v1/invocations").json()["invocations"]
         assert listed == []  # invocations do not survive a restart; nothing half-alive
-        # The same ids are free again: no duplicate_reservation left behind.
+        # An id the crash cut off answers how it ended, and does not run again.
         again = client.post("/v1/invocations", json=sleep_request("b-1"))
         assert again.status_code == 202, again.text
-        assert client.delete("/v1/invocations/b-1").json()["state"] == "cancelled"
+        assert again.json()["state"] == "failed"
+        assert client.get("/v1/invocations/b-1").json()["reason"] == "node_restarted"
+        # A new id runs: no duplicate_reservation or other state was left behind.
+        fresh = client.post("/v1/invocations", json=sleep_request("b-3"))
+        assert fresh.status_code == 202, fresh.text
+        assert client.delete("/v1/invocations/b-3").json()["state"] == "cancelled"
         assert stop(proc, signal.SIGTERM) == 0
     reservations, pids = _journal_copy(state, tmp_path / "copy2")
     assert reservations == set() and pids == set()

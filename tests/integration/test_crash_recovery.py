@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 
-from tests.helpers import clean_env, node_command, spawned, stop, wait_for_line
+from tests.helpers import clean_env, guest_cwd, node_command, spawned, stop, wait_for_line
 
 LISTENING = r"listening on (http://\S+)"
 
@@ -139,4 +139,47 @@ def test_an_id_resubmitted_after_a_restart_answers_its_outcome_and_does_not_run_
             other = client.post("/v1/invocations", json=_echo("bye"))
             assert other.status_code == 409 and other.json()["error"]["code"] == "id_conflict"
             assert client.get("/v1/snapshot").json()["capacity"]["cpu_millis"]["allocated"] == 0
+        assert stop(second, signal.SIGTERM) == 0
+
+
+def test_an_id_cut_off_by_a_crash_answers_node_restarted_and_does_not_run_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    shared = guest_cwd()
+    shared.chmod(0o777)  # the guest runs as a uid of its own and writes here
+    marker = shared / "runs"
+    body = {
+        "id": "cut-off",
+        "work": {
+            "kind": "process",
+            "argv": ["sh", "-c", "echo run >> runs; sleep 300"],
+            "cwd": str(shared),  # bound into the sandbox
+        },
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
+    }
+    env = clean_env()
+    with spawned(_serve(tmp_path), env) as first:
+        url, operator = _ready(first, tmp_path)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            assert client.post("/v1/invocations", json=body).status_code == 202
+            deadline = time.monotonic() + 20
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert marker.exists(), "the guest never ran"
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+
+    with spawned(_serve(tmp_path), env) as second:
+        url = wait_for_line(second, LISTENING)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            _wait_ready(client)
+            again = client.post("/v1/invocations", json=body)
+            assert again.status_code == 202, again.text
+            assert (again.json()["state"], again.json()["tokens"]) == ("failed", {})
+            status = client.get("/v1/invocations/cut-off").json()
+            assert (status["state"], status["reason"]) == ("failed", "node_restarted")
+            other = client.post("/v1/invocations", json={**body, "timeout_s": 5.0})
+            assert other.status_code == 409 and other.json()["error"]["code"] == "id_conflict"
+            time.sleep(0.3)  # time enough for a rerun to have written its line
+            assert marker.read_text() == "run\n"
         assert stop(second, signal.SIGTERM) == 0

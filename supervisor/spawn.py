@@ -1,0 +1,148 @@
+"""Forking guests from one thread that lives as long as the daemon.
+
+A child's parent-death signal (bwrap's `--die-with-parent`, PR_SET_PDEATHSIG)
+fires when the *thread* that forked it exits, not the process. trio forks in
+its worker threads, which retire after ten idle seconds, so a sandboxed guest
+was killed ten seconds after the node went quiet. Here every fork happens on
+one thread started once and never ended while the daemon runs: a guest dies
+with the daemon, and only then.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import outcome
+import trio
+
+__all__ = ["Child", "spawn"]
+
+_Job = tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]]
+
+
+class _ForkThread:
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while True:
+            job, deliver = self._jobs.get()
+            deliver(outcome.capture(job))
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="litegraph-fork", daemon=True
+                )
+                self._thread.start()
+
+    async def run(self, job: Callable[[], Any]) -> Any:
+        self._start()
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        result: list[outcome.Outcome[Any]] = []
+
+        def deliver(value: outcome.Outcome[Any]) -> None:
+            result.append(value)
+            token.run_sync_soon(done.set)
+
+        self._jobs.put((job, deliver))
+        # A fork under way completes either way; its child must not go unwatched.
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return result[0].unwrap()
+
+
+_FORKER = _ForkThread()
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None  # an old kernel: waits poll instead
+
+
+class Child:
+    """A spawned process: its pid, its output as trio streams, and a reaping wait."""
+
+    POLL_SECONDS = 0.01
+
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        stdout: trio.lowlevel.FdStream,
+        stderr: trio.lowlevel.FdStream,
+    ) -> None:
+        self._popen = popen
+        self.stdout = stdout
+        self.stderr = stderr
+        self._pidfd = _pidfd(popen.pid)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    async def wait(self) -> int:
+        """Wait until it exits and reap it."""
+        while (code := self._popen.poll()) is None:
+            if self._pidfd is not None:
+                await trio.lowlevel.wait_readable(self._pidfd)
+            else:
+                await trio.sleep(self.POLL_SECONDS)
+        return code
+
+    async def aclose(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        await trio.aclose_forcefully(self.stdout)
+        await trio.aclose_forcefully(self.stderr)
+
+
+async def spawn(
+    argv: Sequence[str],
+    *,
+    stdin: int,
+    env: Mapping[str, str],
+    cwd: str | None,
+    preexec_fn: Callable[[], None] | None,
+) -> Child:
+    """Start `argv` in a session of its own, stdout and stderr piped to us."""
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    try:
+        popen: subprocess.Popen[bytes] = await _FORKER.run(
+            functools.partial(
+                subprocess.Popen,
+                list(argv),
+                stdin=stdin,
+                stdout=out_write,
+                stderr=err_write,
+                env=dict(env),
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=preexec_fn,
+            )
+        )
+    except BaseException:
+        os.close(out_read)
+        os.close(err_read)
+        raise
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    return Child(popen, trio.lowlevel.FdStream(out_read), trio.lowlevel.FdStream(err_read))
