@@ -9,6 +9,7 @@ hands out uids round-robin so a just-released one is the last to come back.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 
@@ -27,6 +28,27 @@ MIN_GUEST_UID = 1000
 MAX_GUEST_UID = 2**31 - 2
 _CAP_SETGID = 6
 _CAP_SETUID = 7
+
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    )
+
+
+# Made before any fork: the child only makes the call.
+_capset = ctypes.CDLL(None, use_errno=True).capset
+_NO_CAPS_HEADER = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+_NO_CAPS = (_CapData * 2)()
 
 
 class UidRangeError(ValueError):
@@ -51,17 +73,6 @@ def parse_uid_range(text: str, *, daemon_uid: int | None = None) -> range:
     return range(low, high + 1)
 
 
-def become(uid: int) -> None:
-    """Take `uid` (and the gid of the same number), with no supplementary groups.
-
-    For a forked child before exec: plain syscalls only; gid before uid, since
-    a process that gave up root can no longer change its groups.
-    """
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-
-
 def can_switch_users() -> bool:
     """Root, or holding CAP_SETUID and CAP_SETGID (a systemd unit's ambient capabilities)."""
     if os.geteuid() == 0:
@@ -73,6 +84,25 @@ def can_switch_users() -> bool:
         return False
     effective = int(line.split()[1], 16)
     return bool(effective >> _CAP_SETUID & 1 and effective >> _CAP_SETGID & 1)
+
+
+def become(uid: int) -> None:
+    """Take `uid` (and the gid of the same number), with no supplementary groups
+    and no capability.
+
+    For a forked child before exec: plain syscalls only; gid before uid, since
+    a process that gave up root can no longer change its groups. Leaving root
+    clears capabilities by itself, but a daemon that is not root and holds
+    ambient ones (systemd's User= with AmbientCapabilities=) keeps them across
+    a switch between two other uids and across exec: the guest would get
+    CAP_SETUID. So every set is emptied (the ambient set with them).
+    """
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    if _capset(ctypes.byref(_NO_CAPS_HEADER), _NO_CAPS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
 
 
 class UidPool:

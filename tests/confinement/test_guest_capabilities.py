@@ -1,0 +1,76 @@
+"""A daemon started the way deploy/litegraph-node.service starts it (a system user
+holding CAP_SETUID, CAP_SETGID, CAP_CHOWN and CAP_KILL as ambient capabilities)
+hands none of them to its guests, and its sandbox works."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from tests.helpers import GUEST_PYTHON
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DAEMON_UID = 64_999  # a system-user stand-in, outside --guest-uids
+GUEST_UID = 200_123
+UNIT_CAPS = "+setuid,+setgid,+chown,+kill"
+
+# Run by the system Python as DAEMON_UID: the real spawn hook and start-up check.
+PROBE = f"""
+import pathlib, shutil, subprocess, sys
+sys.path[:0] = sys.argv[1:]
+import trio
+from node.guests import _sandbox_works
+from supervisor.process import _preexec
+
+status = subprocess.run(
+    ["grep", "^Cap", "/proc/self/status"], preexec_fn=_preexec(None, None, None, {GUEST_UID}),
+    capture_output=True, text=True, check=True, cwd="/",
+).stdout
+print(status, end="")
+bwrap = shutil.which("bwrap")
+print("SANDBOX", trio.run(_sandbox_works, pathlib.Path(bwrap), {GUEST_UID}))
+"""
+
+
+def _as_unit_daemon() -> subprocess.CompletedProcess[str]:
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("needs setpriv (util-linux) to hold ambient capabilities")
+    version = subprocess.run(
+        [GUEST_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    if version != str(sys.version_info[:2]):
+        pytest.skip(f"{GUEST_PYTHON} is {version}, not the test's Python: cannot load the project")
+    paths = {str(ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    argv = [
+        setpriv,
+        f"--reuid={DAEMON_UID}",
+        f"--regid={DAEMON_UID}",
+        "--clear-groups",
+        f"--inh-caps={UNIT_CAPS}",
+        f"--ambient-caps={UNIT_CAPS}",
+        f"--bounding-set=-all,{UNIT_CAPS}",
+        GUEST_PYTHON,
+        "-c",
+        PROBE,
+        *sorted(paths),
+    ]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd="/")
+
+
+def test_a_daemon_with_the_units_ambient_capabilities_gives_none_to_its_guests() -> None:
+    probe = _as_unit_daemon()
+    assert probe.returncode == 0, probe.stderr
+    caps = dict(line.split(":") for line in probe.stdout.splitlines() if line.startswith("Cap"))
+    for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        assert int(caps[name], 16) == 0, probe.stdout
+    # bubblewrap refuses to run with capabilities it did not get from setuid.
+    assert "SANDBOX None" in probe.stdout, probe.stdout
