@@ -9,7 +9,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = ROOT / "threat-model" / "README.md"
 # `unit/test_x.py::test_y` or `unit/test_x.py` (relative to tests/); `::test_z` continues
 # the file named just before it.
-CITATION = re.compile(r"`((?:unit|integration|property|adversarial|soak)/[\w/]+\.py)((?:::\w+)?)`")
+FOLDERS = "unit|integration|property|adversarial|soak|confinement"
+CITATION = re.compile(rf"`((?:{FOLDERS})/[\w/]+\.py)((?:::\w+)?)`")
 CONTINUATION = re.compile(r"`::(\w+)`")
 
 
@@ -38,5 +39,5 @@ def test_every_cited_test_exists() -> None:
 
 def test_every_boundary_has_a_stride_table() -> None:
     text = MODEL.read_text()
-    for boundary in ("B1", "B2", "B3", "B4", "B5", "B6"):
+    for boundary in ("B1", "B2", "B3", "B4", "B5", "B6", "B7"):
         assert f"### {boundary} " in text
