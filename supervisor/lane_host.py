@@ -71,7 +71,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMMAND: tuple[str, ...] = (sys.executable, "-m", "lanehost")
+# -P: the daemon's working directory is not put on sys.path, so a planted
+# lanehost/ or numpy.py there is never imported into the trusted host.
+DEFAULT_COMMAND: tuple[str, ...] = (sys.executable, "-P", "-m", "lanehost")
 
 FailureReason = Literal["start_failed", "version", "crashed", "protocol", "timeout", "closed"]
 

@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -278,3 +280,35 @@ def test_a_sigkilled_daemon_takes_its_host_with_it(tmp_path: pathlib.Path) -> No
             assert trio.run(wait_gone, host_pid)
         finally:
             parent.kill()
+
+
+async def test_modules_planted_in_the_working_directory_are_not_imported(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "planted-code-ran"
+    planted = f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+    (tmp_path / "lanehost").mkdir()
+    (tmp_path / "lanehost" / "__init__.py").write_text(planted)
+    (tmp_path / "lanehost" / "__main__.py").write_text(planted)
+    (tmp_path / "numpy.py").write_text(planted)
+    monkeypatch.chdir(tmp_path)
+    async with LaneHost("lane_test", BUDGET, backend="numpy") as lane:
+        assert lane.hello.backend == "numpy"
+        assert await lane.run("noop") == {}
+    assert not marker.exists()
+
+
+async def test_the_host_is_forked_from_the_trio_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PR_SET_PDEATHSIG follows the forking thread: a worker thread that exits
+    # when idle would take the host with it.
+    threads: list[int] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        threads.append(threading.get_ident())
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    async with LaneHost("lane_test", BUDGET, backend="numpy"):
+        pass
+    assert threads == [threading.get_ident()]
