@@ -19,6 +19,7 @@ __all__ = [
     "UidsExhausted",
     "become",
     "can_switch_users",
+    "drop_capabilities",
     "parse_uid_range",
 ]
 
@@ -100,6 +101,11 @@ def become(uid: int) -> None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
+    drop_capabilities()
+
+
+def drop_capabilities() -> None:
+    """Empty every capability set of this process (for a forked child before exec)."""
     if _capset(ctypes.byref(_NO_CAPS_HEADER), _NO_CAPS) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"capset: {os.strerror(err)}")

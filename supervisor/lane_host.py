@@ -59,6 +59,7 @@ from lanehost.protocol import (
     frame_length,
     joined,
 )
+from supervisor.identity import drop_capabilities
 from supervisor.process import DEVICE_ENV_NAMES, ENV_ALLOW_LIST
 
 __all__ = [
@@ -117,6 +118,11 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     # Runs in the forked child before exec, with other threads' locks possibly
     # held: syscalls only - no imports, logging or allocation-heavy work.
     def setup() -> None:
+        # Trusted, yet it needs none of the capabilities a non-root daemon holds (the
+        # unit's CAP_SETUID, CAP_KILL...). Root would get them all back at exec, which
+        # also clears the parent-death signal. First: a change of credentials clears it.
+        if os.geteuid() != 0:
+            drop_capabilities()
         if _prctl is not None:
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the daemon died before prctl took effect

@@ -37,7 +37,29 @@ print("SANDBOX", trio.run(_sandbox_works, pathlib.Path(bwrap), {GUEST_UID}))
 """
 
 
-def _as_unit_daemon() -> subprocess.CompletedProcess[str]:
+# The same daemon starting a lane host: trusted code, but it needs no capability either.
+HOST_PROBE = """
+import os, subprocess, sys
+sys.path[:0] = sys.argv[1:]
+from supervisor.lane_host import _die_with_parent
+
+print(subprocess.run(
+    ["grep", "^Cap", "/proc/self/status"], preexec_fn=_die_with_parent(os.getpid()),
+    capture_output=True, text=True, check=True, cwd="/",
+).stdout, end="")
+"""
+
+
+def _capabilities(status: str) -> dict[str, int]:
+    return {
+        name: int(value, 16)
+        for name, value in (
+            line.split(":") for line in status.splitlines() if line.startswith("Cap")
+        )
+    }
+
+
+def _as_unit_daemon(probe: str = PROBE) -> subprocess.CompletedProcess[str]:
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("needs setpriv (util-linux) to hold ambient capabilities")
@@ -60,7 +82,7 @@ def _as_unit_daemon() -> subprocess.CompletedProcess[str]:
         f"--bounding-set=-all,{UNIT_CAPS}",
         GUEST_PYTHON,
         "-c",
-        PROBE,
+        probe,
         *sorted(paths),
     ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd="/")
@@ -69,8 +91,16 @@ def _as_unit_daemon() -> subprocess.CompletedProcess[str]:
 def test_a_daemon_with_the_units_ambient_capabilities_gives_none_to_its_guests() -> None:
     probe = _as_unit_daemon()
     assert probe.returncode == 0, probe.stderr
-    caps = dict(line.split(":") for line in probe.stdout.splitlines() if line.startswith("Cap"))
+    caps = _capabilities(probe.stdout)
     for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
-        assert int(caps[name], 16) == 0, probe.stdout
+        assert caps[name] == 0, probe.stdout
     # bubblewrap refuses to run with capabilities it did not get from setuid.
     assert "SANDBOX None" in probe.stdout, probe.stdout
+
+
+def test_a_lane_host_started_by_that_daemon_holds_no_capability() -> None:
+    probe = _as_unit_daemon(HOST_PROBE)
+    assert probe.returncode == 0, probe.stderr
+    caps = _capabilities(probe.stdout)
+    for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        assert caps[name] == 0, probe.stdout
