@@ -11,8 +11,9 @@ opaque here), so an id is not run twice across a restart. It keeps the newest
 `retain_ended` (4,096) ended in the last `retain_ended_s` (24 h, by wall
 clock); older ones are forgotten on compaction and are not reported.
 
-Writing. An append is one frame, written and fsynced; only then is it applied
-to the live state. If the write or the fsync fails (a full disk, an I/O
+Writing. An append is one frame, or a batch of frames joined into one write
+(group commit), written and fsynced once; only then is it applied to the
+live state. If the write or the fsync fails (a full disk, an I/O
 error), the file is truncated back to the end of the last good record and the
 error is raised, so a record never follows a partial one. Until a write
 succeeds again, `write_problem` says why (the daemon's readiness shows it). If
@@ -51,6 +52,7 @@ import struct
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -70,9 +72,11 @@ __all__ = [
     "ProcessEndedRecord",
     "ProcessRecord",
     "ProcessStartedRecord",
+    "Record",
     "ReleaseRecord",
     "ReserveRecord",
     "UnsafeReason",
+    "frame",
 ]
 
 log = logging.getLogger(__name__)
@@ -176,7 +180,8 @@ class JournalCorrupt(JournalError):
         )
 
 
-def _frame(record: Record) -> bytes:
+def frame(record: Record) -> bytes:
+    """The record as it is written: length, CRC32, msgpack payload."""
     payload = _encoder.encode(record)
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
@@ -458,36 +463,46 @@ class Journal:
 
     # -- appending ------------------------------------------------------------------
     def _append(self, record: Record) -> None:
-        """Write the frame, fsync, and only then apply it. The bytes written since the
-        last good record are the unit of failure: a batch of frames joined into one
-        write would take the same path (one fsync, one point to cut back to)."""
+        self.append_batch([record])
+
+    def append_batch(self, records: Sequence[Record]) -> None:
+        self.append_framed([(record, frame(record)) for record in records])
+
+    def append_framed(self, batch: Sequence[tuple[Record, bytes]]) -> None:
+        """Write the frames (each `frame(record)`) in one write, fsync once, and only then
+        apply the records. The bytes written since the last good record are the unit of
+        failure: if the write or the fsync fails, none of the batch counts and all of it
+        is cut back."""
         if self._fd < 0:
             raise JournalError("journal is closed")
         if self._partial:
             self._cut_back()
             if self._partial:
                 raise JournalError(f"journal {self.path}: a partial record could not be removed")
-        frame = _frame(record)
+        if not batch:
+            return
+        data = b"".join(framed for _record, framed in batch)
         try:
-            _write_all(self._fd, frame)
+            _write_all(self._fd, data)
             if self._durable:
                 os.fsync(self._fd)
         except OSError as exc:
-            # Not durable, so not applied; cut the partial frame off so that the next
-            # record does not land behind it (a restart would drop everything after it).
+            # Not durable, so not applied; cut the partial frames off so that the next
+            # record does not land behind them (a restart would drop everything after).
             self.write_problem = f"write failed: {exc}"
             self._partial = True
             self._cut_back()
             raise
-        self._size += len(frame)
+        self._size += len(data)
         self.write_problem = None
-        self._state.apply(record)
-        self._records += 1
+        for record, _framed in batch:
+            self._state.apply(record)
+        self._records += len(batch)
         if self._records >= self._compact_every and self._records > 2 * self._state.size():
             try:
                 self.compact()
             except Exception:
-                # The record above is written and fsynced: it stands. Compaction is
+                # The records above are written and fsynced: they stand. Compaction is
                 # retried on the next append.
                 log.exception("journal %s: compaction failed; will retry", self.path)
 
@@ -562,7 +577,7 @@ class Journal:
         flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         new_fd = os.open(tmp, flags, 0o600)
         try:
-            _write_all(new_fd, b"".join(_frame(r) for r in records))
+            _write_all(new_fd, b"".join(frame(r) for r in records))
             os.fsync(new_fd)
             os.replace(tmp, self.path)
         except BaseException:

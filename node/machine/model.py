@@ -3,7 +3,9 @@
 `Machine.open(...)` takes plain parameters (no Config): it discovers devices,
 seeds health from the first readings, opens the journal, adopts what it held
 and reconciles leftovers of a dead daemon. Reserving journals the grant
-(fsync, in a worker thread, under a deadline) before returning it; if the
+(fsync, in a worker thread, under a deadline) before returning it; records
+that arrive while an fsync is in flight share the next one (group commit,
+`group_commit.py`); if the
 journal cannot record it the ledger gives it back and the caller gets the
 error. Release frees the ledger first, synchronously, so resources are free
 the moment the work ends, then journals the release.
@@ -25,9 +27,19 @@ import trio
 
 from node.machine.cgroups import Cgroups
 from node.machine.discovery import discover
+from node.machine.group_commit import GroupCommit
 from node.machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
 from node.machine.inventory import Inventory
-from node.machine.journal import EndedRecord, Journal, JournalError, JournalReplay
+from node.machine.journal import (
+    EndedRecord,
+    Journal,
+    JournalError,
+    JournalReplay,
+    ProcessEndedRecord,
+    ProcessStartedRecord,
+    ReleaseRecord,
+    ReserveRecord,
+)
 from node.machine.lanes import build_lanes
 from node.machine.ledger import Ledger, Reservation, ReservationRequest
 from node.machine.monitor import monitor_devices, sync_ledger
@@ -128,6 +140,9 @@ class Machine:
         self._sequence = 0
         self._journal_timeout = journal_timeout
         self._journal_limiter = trio.CapacityLimiter(1)
+        self.group_commit = GroupCommit(
+            journal, limiter=self._journal_limiter, timeout=journal_timeout
+        )
 
     @classmethod
     async def open(
@@ -203,7 +218,7 @@ class Machine:
         """Reserve and journal; raises ReservationRefused, or the journal's error."""
         reservation = self.ledger.reserve(request)
         try:
-            await self._journal(functools.partial(self.journal.record_reserve, reservation))
+            await self.group_commit.commit(ReserveRecord(reservation=reservation))
         except BaseException:
             # Not durably recorded: do not hand it out. A record that lands late is
             # released by reconcile on the next start (it has no process).
@@ -219,27 +234,27 @@ class Machine:
             return None
         try:
             with trio.CancelScope(shield=True):
-                await self._journal(functools.partial(self.journal.record_release, reservation_id))
+                await self.group_commit.commit(ReleaseRecord(reservation_id=reservation_id))
         except (OSError, JournalError, trio.TooSlowError) as exc:
             log.warning("journal release of %s failed: %s", reservation_id, exc)
         return reservation
 
     async def process_started(self, reservation_id: str, pid: int, start_ticks: int | None) -> None:
         """`start_ticks`: `node.machine.proc.process_start_ticks(pid)` read at spawn."""
-        await self._journal(
-            functools.partial(self.journal.record_process_started, reservation_id, pid, start_ticks)
+        await self.group_commit.commit(
+            ProcessStartedRecord(reservation_id=reservation_id, pid=pid, start_ticks=start_ticks)
         )
 
     async def process_ended(self, reservation_id: str, pid: int) -> None:
         with trio.CancelScope(shield=True):
-            await self._journal(
-                functools.partial(self.journal.record_process_ended, reservation_id, pid)
+            await self.group_commit.commit(
+                ProcessEndedRecord(reservation_id=reservation_id, pid=pid)
             )
 
     async def invocation_ended(self, record: EndedRecord) -> None:
         """Remember durably how an invocation ended (kept for a bounded count and time)."""
         with trio.CancelScope(shield=True):
-            await self._journal(functools.partial(self.journal.record_ended, record))
+            await self.group_commit.commit(record)
 
     def ended_invocation(self, invocation_id: str) -> EndedRecord | None:
         """How `invocation_id` ended, if the journal still remembers it."""

@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -116,6 +117,43 @@ def test_faults_sigkill_journal_holds_every_acknowledged_grant_then_restart_rele
         assert stop(proc, signal.SIGTERM) == 0
     reservations, pids = _journal_copy(state, tmp_path / "copy2")
     assert reservations == set() and pids == set()
+
+
+def test_faults_sigkill_during_64_concurrent_submissions_loses_no_acknowledged_grant(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Group commit: 64 submissions race, their reservations share fsyncs; the daemon is
+    killed while some are still in flight. Every 202 it sent is in the journal."""
+    state = tmp_path / "state"
+    acked: list[str] = []
+    lock = threading.Lock()
+    with subprocess_node(state) as (proc, url, op):
+
+        def submit(i: int) -> None:
+            try:
+                with httpx.Client(base_url=url, headers=op, timeout=10) as client:
+                    reply = client.post("/v1/invocations", json=sleep_request(f"c-{i}"))
+            except httpx.HTTPError:
+                return  # cut off by the kill: never acknowledged
+            if reply.status_code == 202:
+                with lock:
+                    acked.append(f"c-{i}")
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(64)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while len(acked) < 16 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        for thread in threads:
+            thread.join(timeout=15)
+    with lock:
+        answered = set(acked)
+    assert len(answered) >= 16
+    reservations, _pids = _journal_copy(state, tmp_path / "copy")
+    assert answered <= reservations, f"acknowledged, not journaled: {answered - reservations}"
 
 
 # --- a full disk: refused with Retry-After, not ready, nothing left half-written ----------

@@ -28,7 +28,15 @@ from hypothesis.stateful import (
 
 from node.machine.health import HealthState
 from node.machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from node.machine.journal import JOURNAL_FILENAME, EndedRecord, Journal
+from node.machine.journal import (
+    JOURNAL_FILENAME,
+    EndedRecord,
+    Journal,
+    Record,
+    ReleaseRecord,
+    ReserveRecord,
+    frame,
+)
 from node.machine.lanes import Isolation, Requirement, build_lanes
 from node.machine.ledger import (
     Ledger,
@@ -177,6 +185,55 @@ class LedgerJournalMachine(RuleBasedStateMachine):
         self.ended[rid] = record
         while len(self.ended) > RETAIN:
             self.ended.popitem(last=False)
+
+    @rule(rids=st.lists(IDS, min_size=1, max_size=4, unique=True), digest=st.sampled_from("xy"))
+    def release_and_end_in_one_group_commit(self, rids: list[str], digest: str) -> None:
+        batch: list[Record] = []
+        for rid in rids:
+            if self.ledger.release(rid) is not None:
+                batch.append(ReleaseRecord(reservation_id=rid))
+                del self.live[rid]
+            ended = EndedRecord(
+                invocation_id=rid, request_digest=digest, ended_at=time.time(), outcome=b"{}"
+            )
+            batch.append(ended)
+            self.ended.pop(rid, None)
+            self.ended[rid] = ended
+            while len(self.ended) > RETAIN:
+                self.ended.popitem(last=False)
+        self.journal.append_batch(batch)  # one write, one fsync, acknowledged together
+
+    @rule(count=st.integers(1, 6), cut=st.floats(0.0, 1.0, exclude_max=True))
+    def crash_during_a_group_commit(self, count: int, cut: float) -> None:
+        """The daemon dies while a batch is being written: nothing of it was acknowledged,
+        so every acknowledged record replays; whole frames of the batch may replay too
+        (reconcile releases those), and the torn rest is dropped."""
+        scratch = new_ledger(dict.fromkeys(GPUS, HealthState.HEALTHY), set())
+        unacked = [
+            scratch.reserve(ReservationRequest(reservation_id=f"unacked-{i}", cpu_millis=1))
+            for i in range(count)
+        ]
+        frames = [frame(ReserveRecord(reservation=r)) for r in unacked]
+        data = b"".join(frames)
+        prefix = data[: int(len(data) * cut)]
+        self.journal.close()
+        fd = os.open(self.dir / JOURNAL_FILENAME, os.O_WRONLY | os.O_APPEND)
+        os.write(fd, prefix)
+        os.close(fd)
+        whole = set()
+        end = 0
+        for reservation, framed in zip(unacked, frames, strict=True):
+            end += len(framed)
+            if end <= len(prefix):
+                whole.add(reservation.reservation_id)
+        self.journal, replay = Journal.open(
+            self.dir, durable=False, compact_every=12, retain_ended=RETAIN
+        )
+        assert set(replay.reservations) == set(self.live) | whole
+        assert {k: v for k, v in replay.reservations.items() if k in self.live} == self.live
+        assert replay.ended == dict(self.ended)
+        for rid in whole:  # as reconcile does on start: never acknowledged, released
+            self.journal.record_release(rid)
 
     @rule(torn=st.sampled_from([b"", b"\x00\x00", b"\x00\x00\x00\x30\x12\x34\x56\x78abc"]))
     def crash_and_restart(self, torn: bytes) -> None:

@@ -6,7 +6,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -16,9 +16,9 @@ import trio.testing
 
 from node.machine import Machine
 from node.machine.health import HealthState, HealthTransition
-from node.machine.journal import Journal, JournalUnsafe
+from node.machine.journal import Journal, JournalUnsafe, Record
 from node.machine.lanes import Isolation, Requirement
-from node.machine.ledger import RefusalReason, Reservation, ReservationRefused, ReservationRequest
+from node.machine.ledger import RefusalReason, ReservationRefused, ReservationRequest
 from node.machine.model import JOURNAL_RETRY_INTERVAL
 from node.machine.readiness import Readiness
 
@@ -112,14 +112,14 @@ async def test_aclose_waits_for_an_abandoned_journal_write(
 ) -> None:
     machine = await open_machine(tmp_path)
     journal = machine.journal
-    real_reserve = journal.record_reserve
+    real_append = journal.append_framed
     gate = threading.Event()
 
-    def slow_reserve(reservation: Reservation) -> None:
+    def slow_append(batch: Sequence[tuple[Record, bytes]]) -> None:
         gate.wait(10)  # a disk that takes its time
-        real_reserve(reservation)
+        real_append(batch)
 
-    monkeypatch.setattr(journal, "record_reserve", slow_reserve)
+    monkeypatch.setattr(journal, "append_framed", slow_append)
     try:
         with trio.move_on_after(0.1):  # the caller gives up; the thread runs on
             await machine.reserve(ReservationRequest(reservation_id="late", cpu_millis=100))
@@ -149,17 +149,17 @@ async def test_aclose_leaves_a_stuck_write_its_descriptor(
 ) -> None:
     machine = await open_machine(tmp_path, journal_timeout=0.1)
     journal = machine.journal
-    real_release = journal.record_release
+    real_append = journal.append_framed
     gate = threading.Event()
     finished = threading.Event()
 
-    def stuck_release(reservation_id: str) -> None:
+    def stuck_append(batch: Sequence[tuple[Record, bytes]]) -> None:
         gate.wait(10)  # a hung disk
-        real_release(reservation_id)
+        real_append(batch)
         finished.set()
 
     await machine.reserve(ReservationRequest(reservation_id="held", cpu_millis=100))
-    monkeypatch.setattr(journal, "record_release", stuck_release)
+    monkeypatch.setattr(journal, "append_framed", stuck_append)
     try:
         await machine.release("held")  # times out, logged; the write runs on
         await machine.aclose(journal_wait=0.2)

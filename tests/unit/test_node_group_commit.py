@@ -1,0 +1,165 @@
+"""Group commit: concurrent journal appends share fsyncs, and each still returns only
+once its own record is durable; a failed batch fails every one of its waiters."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from node.machine.group_commit import GroupCommit, JournalBacklog
+from node.machine.journal import Journal, ReleaseRecord, frame
+from node.machine.ledger import ReservationRequest
+from tests.unit.test_node_machine import open_machine
+
+
+class _CountingFsync:
+    """os.fsync that counts the journal's calls and can be held until released."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fd: int) -> None:
+        self.fd, self.calls, self._real = fd, 0, os.fsync
+        self.gate = threading.Event()
+        self.gate.set()
+        monkeypatch.setattr(os, "fsync", self.fsync)
+
+    def fsync(self, fd: int) -> None:
+        if fd == self.fd:
+            self.calls += 1
+            self.gate.wait(10)
+        self._real(fd)
+
+
+async def test_concurrent_reserves_share_fsyncs_and_each_is_durable_when_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    machine = await open_machine(tmp_path)
+    fsyncs = _CountingFsync(monkeypatch, machine.journal._fd)
+    returned: list[str] = []
+
+    async def reserve(i: int) -> None:
+        await machine.reserve(ReservationRequest(reservation_id=f"r{i}", cpu_millis=1))
+        # Durable now: a fresh reader of the file sees it.
+        _, replay = Journal.open(tmp_path, durable=False)
+        assert f"r{i}" in replay.reservations
+        returned.append(f"r{i}")
+
+    fsyncs.gate.clear()  # hold the first fsync so the others pile up behind it
+    async with trio.open_nursery() as nursery:
+        for i in range(64):
+            nursery.start_soon(reserve, i)
+        await trio.sleep(0.2)
+        assert returned == []  # nobody is answered before its fsync
+        fsyncs.gate.set()
+    assert len(returned) == 64
+    assert fsyncs.calls <= 3, f"{fsyncs.calls} fsyncs for 64 concurrent reserves"
+    assert machine.group_commit.records == 64 and machine.group_commit.batches == fsyncs.calls
+    await machine.aclose()
+
+
+async def test_a_failed_batch_fails_every_waiter_and_is_cut_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    machine = await open_machine(tmp_path)
+    await machine.reserve(ReservationRequest(reservation_id="held", cpu_millis=1))
+    size = machine.journal.path.stat().st_size
+    fsyncs = _CountingFsync(monkeypatch, machine.journal._fd)
+    fd, real_write, full = machine.journal._fd, os.write, [True]
+
+    def write(target: int, data: bytes | memoryview) -> int:
+        if target != fd or not full[0]:
+            return real_write(target, data)
+        real_write(target, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", write)
+    errors: list[BaseException] = []
+
+    async def reserve(i: int) -> None:
+        try:
+            await machine.reserve(ReservationRequest(reservation_id=f"x{i}", cpu_millis=1))
+        except OSError as exc:
+            errors.append(exc)
+
+    fsyncs.gate.clear()
+    async with trio.open_nursery() as nursery:
+        for i in range(16):
+            nursery.start_soon(reserve, i)
+        await trio.sleep(0.1)
+        fsyncs.gate.set()
+    assert len(errors) == 16 and all(e.errno == errno.ENOSPC for e in errors)  # type: ignore[attr-defined]
+    assert len({id(e) for e in errors}) == 16  # each waiter raises its own copy
+    assert set(machine.ledger.reservations()) == {"held"}  # every refused grant given back
+    assert machine.journal.path.stat().st_size == size  # no partial frame left behind
+    assert machine.journal_problem() is not None
+    full[0] = False
+    await machine.reserve(ReservationRequest(reservation_id="after", cpu_millis=1))
+    assert machine.journal_problem() is None
+    await machine.aclose()
+    _, replay = Journal.open(tmp_path, durable=False)
+    assert set(replay.reservations) == {"held", "after"}
+
+
+async def test_batches_are_bounded_in_records_and_bytes(tmp_path: Path) -> None:
+    journal, _ = Journal.open(tmp_path, durable=False)
+    sizes: list[int] = []
+    real = journal.append_framed
+
+    def append_framed(batch: list[tuple[object, bytes]]) -> None:
+        sizes.append(len(batch))
+        real(batch)  # type: ignore[arg-type]
+
+    journal.append_framed = append_framed  # type: ignore[method-assign]
+    group = GroupCommit(journal, limiter=trio.CapacityLimiter(1), timeout=10, max_records=5)
+    async with trio.open_nursery() as nursery:
+        for i in range(23):
+            nursery.start_soon(group.commit, ReleaseRecord(reservation_id=f"r{i}"))
+    assert sum(sizes) == 23 and max(sizes) <= 5
+    sizes.clear()
+    one = len(frame(ReleaseRecord(reservation_id="s0")))
+    small = GroupCommit(journal, limiter=trio.CapacityLimiter(1), timeout=10, max_bytes=one)
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(small.commit, ReleaseRecord(reservation_id=f"s{i}"))
+    assert sum(sizes) == 6 and max(sizes) == 1  # one record is always taken, never two
+    journal.close()
+
+
+async def test_a_full_backlog_refuses_at_once_and_writes_nothing_more(tmp_path: Path) -> None:
+    journal, _ = Journal.open(tmp_path, durable=False)
+    limiter = trio.CapacityLimiter(1)
+    group = GroupCommit(journal, limiter=limiter, timeout=10, max_pending=4)
+    async with trio.open_nursery() as nursery:
+        await limiter.acquire()  # the disk is busy: nothing drains
+        nursery.start_soon(group.commit, ReleaseRecord(reservation_id="taken"))
+        await trio.sleep(0.01)  # the flusher took it and waits for the disk
+        for i in range(4):
+            nursery.start_soon(group.commit, ReleaseRecord(reservation_id=f"q{i}"))
+        await trio.sleep(0.01)
+        with pytest.raises(JournalBacklog):
+            await group.commit(ReleaseRecord(reservation_id="over"))
+        limiter.release()
+    journal.close()
+    _, replay = Journal.open(tmp_path, durable=False)
+    assert replay.records == 5  # the refused record was never written
+
+
+async def test_a_caller_that_gives_up_before_its_batch_is_taken_is_not_written(
+    tmp_path: Path,
+) -> None:
+    journal, _ = Journal.open(tmp_path, durable=False)
+    limiter = trio.CapacityLimiter(1)
+    group = GroupCommit(journal, limiter=limiter, timeout=10)
+    async with trio.open_nursery() as nursery:
+        await limiter.acquire()
+        nursery.start_soon(group.commit, ReleaseRecord(reservation_id="first"))
+        await trio.sleep(0.01)  # taken; waits for the disk
+        with trio.move_on_after(0.05):
+            await group.commit(ReleaseRecord(reservation_id="gave-up"))
+        limiter.release()
+    journal.close()
+    _, replay = Journal.open(tmp_path, durable=False)
+    assert replay.records == 1  # "gave-up" never reached the file
