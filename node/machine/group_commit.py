@@ -1,9 +1,10 @@
 """Group commit: appends that arrive while an fsync is in flight share the next one.
 
 Each `commit(record)` queues its frame and waits until the batch holding it is
-written and fsynced (`Journal.append_framed`, one write, one fsync, in a worker
-thread). Only then does it return, so the durability promise of a single
-append holds for every record: the caller learns "durable" or gets the error.
+written and fsynced (`Journal.append_framed`, one write, one fsync, run by the
+machine's journal runner: a worker thread, one write at a time, a deadline).
+Only then does it return, so the durability promise of a single append holds
+for every record: the caller learns "durable" or gets the error.
 A failed batch is cut back by the journal as a whole, and every waiter of that
 batch gets the error.
 
@@ -18,9 +19,10 @@ taken is not written.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -70,14 +72,15 @@ class GroupCommit:
         self,
         journal: Journal,
         *,
-        limiter: trio.CapacityLimiter,
+        run: Callable[[Callable[[], None]], Awaitable[None]],
         timeout: float,
         max_records: int = MAX_BATCH_RECORDS,
         max_bytes: int = MAX_BATCH_BYTES,
         max_pending: int = MAX_PENDING,
     ) -> None:
         self._journal = journal
-        self._limiter = limiter  # shared with the journal's other writers (compaction)
+        # Runs a journal write: in a worker thread, one at a time, under a deadline.
+        self._run = run
         self._timeout = timeout
         self._max_records = max_records
         self._max_bytes = max_bytes
@@ -140,13 +143,7 @@ class GroupCommit:
         items = [(p.record, p.framed) for p in batch]
         error: BaseException | None = None
         try:
-            with trio.fail_after(self._timeout):
-                await trio.to_thread.run_sync(
-                    self._journal.append_framed,
-                    items,
-                    limiter=self._limiter,
-                    abandon_on_cancel=True,
-                )
+            await self._run(functools.partial(self._journal.append_framed, items))
         except (OSError, JournalError, trio.TooSlowError) as exc:
             error = exc
         except Exception as exc:  # a system task must not raise: hand it to the waiters

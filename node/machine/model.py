@@ -140,9 +140,7 @@ class Machine:
         self._sequence = 0
         self._journal_timeout = journal_timeout
         self._journal_limiter = trio.CapacityLimiter(1)
-        self.group_commit = GroupCommit(
-            journal, limiter=self._journal_limiter, timeout=journal_timeout
-        )
+        self.group_commit = GroupCommit(journal, run=self._journal, timeout=journal_timeout)
 
     @classmethod
     async def open(

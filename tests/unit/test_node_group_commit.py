@@ -6,15 +6,23 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import pytest
 import trio
 
 from node.machine.group_commit import GroupCommit, JournalBacklog
-from node.machine.journal import Journal, ReleaseRecord, frame
+from node.machine.journal import Journal, Record, ReleaseRecord, frame
 from node.machine.ledger import ReservationRequest
 from tests.unit.test_node_machine import open_machine
+
+
+def _runner(limiter: trio.CapacityLimiter) -> Callable[[Callable[[], None]], Awaitable[None]]:
+    async def run(write: Callable[[], None]) -> None:
+        await trio.to_thread.run_sync(write, limiter=limiter)
+
+    return run
 
 
 class _CountingFsync:
@@ -108,19 +116,19 @@ async def test_batches_are_bounded_in_records_and_bytes(tmp_path: Path) -> None:
     sizes: list[int] = []
     real = journal.append_framed
 
-    def append_framed(batch: list[tuple[object, bytes]]) -> None:
+    def append_framed(batch: Sequence[tuple[Record, bytes]]) -> None:
         sizes.append(len(batch))
-        real(batch)  # type: ignore[arg-type]
+        real(batch)
 
     journal.append_framed = append_framed  # type: ignore[method-assign]
-    group = GroupCommit(journal, limiter=trio.CapacityLimiter(1), timeout=10, max_records=5)
+    group = GroupCommit(journal, run=_runner(trio.CapacityLimiter(1)), timeout=10, max_records=5)
     async with trio.open_nursery() as nursery:
         for i in range(23):
             nursery.start_soon(group.commit, ReleaseRecord(reservation_id=f"r{i}"))
     assert sum(sizes) == 23 and max(sizes) <= 5
     sizes.clear()
     one = len(frame(ReleaseRecord(reservation_id="s0")))
-    small = GroupCommit(journal, limiter=trio.CapacityLimiter(1), timeout=10, max_bytes=one)
+    small = GroupCommit(journal, run=_runner(trio.CapacityLimiter(1)), timeout=10, max_bytes=one)
     async with trio.open_nursery() as nursery:
         for i in range(6):
             nursery.start_soon(small.commit, ReleaseRecord(reservation_id=f"s{i}"))
@@ -131,7 +139,7 @@ async def test_batches_are_bounded_in_records_and_bytes(tmp_path: Path) -> None:
 async def test_a_full_backlog_refuses_at_once_and_writes_nothing_more(tmp_path: Path) -> None:
     journal, _ = Journal.open(tmp_path, durable=False)
     limiter = trio.CapacityLimiter(1)
-    group = GroupCommit(journal, limiter=limiter, timeout=10, max_pending=4)
+    group = GroupCommit(journal, run=_runner(limiter), timeout=10, max_pending=4)
     async with trio.open_nursery() as nursery:
         await limiter.acquire()  # the disk is busy: nothing drains
         nursery.start_soon(group.commit, ReleaseRecord(reservation_id="taken"))
@@ -152,7 +160,7 @@ async def test_a_caller_that_gives_up_before_its_batch_is_taken_is_not_written(
 ) -> None:
     journal, _ = Journal.open(tmp_path, durable=False)
     limiter = trio.CapacityLimiter(1)
-    group = GroupCommit(journal, limiter=limiter, timeout=10)
+    group = GroupCommit(journal, run=_runner(limiter), timeout=10)
     async with trio.open_nursery() as nursery:
         await limiter.acquire()
         nursery.start_soon(group.commit, ReleaseRecord(reservation_id="first"))
