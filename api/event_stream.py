@@ -6,7 +6,8 @@ from another run of the daemon, a malformed one, or one that fell out of the
 window gets a `resync` event first: the client re-reads `GET /v1/snapshot`,
 and the stream goes on live. A quiet stream carries a heartbeat comment every
 few seconds, so neither side takes it for dead; `retry:` tells an EventSource
-how long to wait before reconnecting.
+how long to wait before reconnecting. `?ids=a,b` keeps only the events of those
+invocations.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import msgspec
 import trio
 
 from supervisor.events import Dropped, EventHub, Missed, Subscription
-from supervisor.wire import NodeEvent
+from supervisor.wire import INVOCATION_ID, MAX_BATCH, NodeEvent
 
-__all__ = ["HEARTBEAT_SECONDS", "RETRY_MILLIS", "event_frames", "resume_point"]
+__all__ = ["HEARTBEAT_SECONDS", "RETRY_MILLIS", "event_frames", "only_ids", "resume_point"]
 
 HEARTBEAT_SECONDS = 5.0
 RETRY_MILLIS = 2000
@@ -41,10 +42,30 @@ def _resync(reason: str) -> bytes:
     return b"event: resync\ndata: " + data + b"\n\n"
 
 
+def only_ids(raw: str | None) -> frozenset[str] | None:
+    """`?ids=a,b`: the invocations a stream is filtered to (None: every event). Raises
+    ValueError for more than MAX_BATCH ids or one that is not an invocation id."""
+    if raw is None:
+        return None
+    ids = frozenset(raw.split(","))
+    if not ids or len(ids) > MAX_BATCH or not all(INVOCATION_ID.match(i) for i in ids):
+        raise ValueError(f"ids: 1 to {MAX_BATCH} invocation ids, separated by commas")
+    return ids
+
+
+def _wanted(event: NodeEvent, only: frozenset[str] | None) -> bool:
+    return only is None or (event.invocation is not None and event.invocation.id in only)
+
+
 async def event_frames(
-    hub: EventHub[NodeEvent], stream: Subscription[NodeEvent], heartbeat: float
+    hub: EventHub[NodeEvent],
+    stream: Subscription[NodeEvent],
+    heartbeat: float,
+    only: frozenset[str] | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """The stream's bytes; ends when the subscriber is dropped or the hub closes."""
+    """The stream's bytes; ends when the subscriber is dropped or the hub closes. With
+    `only`, just the invocation and admission events of those ids (resyncs, drops and
+    heartbeats as always)."""
     yield f"retry: {RETRY_MILLIS}\n: connected\n\n".encode()
     while True:
         item = None
@@ -61,7 +82,7 @@ async def event_frames(
             return
         elif isinstance(item, Missed):
             yield _resync("not_kept")
-        else:
+        elif _wanted(item.event, only):
             data = msgspec.json.encode(item.event)
             head = f"id: {hub.run}-{item.sequence}\nevent: {item.event.kind.value}\n"
             yield head.encode() + b"data: " + data + b"\n\n"

@@ -16,11 +16,15 @@ from capabilities import Introspection, KeySet
 from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
+    BatchReply,
+    BatchRequest,
     InvocationList,
     InvocationRequest,
     InvocationStatus,
     NodeEvent,
     SubmitResponse,
+    WaitReply,
+    WaitRequest,
 )
 
 __all__ = ["openapi_document"]
@@ -78,6 +82,10 @@ def openapi_document() -> dict[str, Any]:
         KeySet,
         IntrospectionRequest,
         Introspection,
+        BatchRequest,
+        BatchReply,
+        WaitRequest,
+        WaitReply,
     ]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     ref = dict(
@@ -99,6 +107,10 @@ def openapi_document() -> dict[str, Any]:
                 "keys",
                 "introspect",
                 "introspection",
+                "batch",
+                "batch_reply",
+                "wait",
+                "wait_reply",
             ),
             schemas,
             strict=True,
@@ -166,14 +178,24 @@ def openapi_document() -> dict[str, Any]:
                 ),
                 "parameters": [
                     {
+                        "name": "ids",
+                        "in": "query",
+                        "required": False,
+                        "description": (
+                            "Up to 256 invocation ids, comma-separated: only their"
+                            " invocation and admission events (400 invalid_ids otherwise)."
+                        ),
+                        "schema": {"type": "string"},
+                    },
+                    {
                         "name": "Last-Event-ID",
                         "in": "header",
                         "required": False,
                         "schema": {"type": "string"},
-                    }
+                    },
                 ],
                 "responses": _responses(
-                    200, _content(ref["event"], "text/event-stream"), (*auth, 429)
+                    200, _content(ref["event"], "text/event-stream"), (400, *auth, 429)
                 ),
             }
         },
@@ -190,6 +212,36 @@ def openapi_document() -> dict[str, Any]:
                 "operationId": "list_invocations",
                 "security": _OPERATOR,
                 "responses": _responses(200, json_of["list"], auth),
+            },
+        },
+        "/v1/invocations:batch": {
+            "post": {
+                "operationId": "submit_invocation_batch",
+                "security": _OPERATOR,
+                "description": (
+                    "Submit up to 256 invocations (and at most the 64 KiB body) in one"
+                    " request. Each item is admitted as a single submission would be"
+                    " (idempotency, queue bound, validation) and gets its own result, in"
+                    " the order sent: status 202 with `accepted` (tokens included), or the"
+                    " status and error a single submission would have got, with"
+                    " `retry_after_s` for 429/503. A body that does not decode changes"
+                    " nothing."
+                ),
+                "requestBody": {"required": True, "content": json_of["batch"]},
+                "responses": _responses(200, json_of["batch_reply"], (400, *auth, 413, 415, 422)),
+            },
+        },
+        "/v1/invocations:wait": {
+            "post": {
+                "operationId": "wait_invocations",
+                "security": _OPERATOR,
+                "description": (
+                    "Wait until every listed invocation has ended (with `any`, the first),"
+                    " at most `timeout_s` (60 s) seconds; answers the statuses of those"
+                    " that ended, the ids still queued or running, and the unknown ids."
+                ),
+                "requestBody": {"required": True, "content": json_of["wait"]},
+                "responses": _responses(200, json_of["wait_reply"], (400, *auth, 413, 415, 422)),
             },
         },
         "/v1/invocations/{invocation_id}": {

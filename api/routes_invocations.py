@@ -1,4 +1,5 @@
-"""POST/GET/DELETE /v1/invocations: the scheduler's way to run work on this node."""
+"""POST/GET/DELETE /v1/invocations and POST /v1/invocations:batch: the scheduler's way
+to run work on this node."""
 
 from __future__ import annotations
 
@@ -19,10 +20,60 @@ from api.http import (
 )
 from api.responses import json_response
 from supervisor.admission import AdmissionRefused
-from supervisor.core import UnknownInvocation
-from supervisor.wire import INVOCATION_ID, InvocationList, InvocationRequest
+from supervisor.core import Supervisor, UnknownInvocation
+from supervisor.wire import (
+    INVOCATION_ID,
+    BatchItem,
+    BatchItemError,
+    BatchReply,
+    BatchRequest,
+    InvocationList,
+    InvocationRequest,
+    SubmitResponse,
+)
 
 __all__ = ["register_invocation_routes"]
+
+
+async def _submit_one(
+    ctx: NodeContext, sup: Supervisor, invocation: InvocationRequest
+) -> SubmitResponse:
+    """Submit; every refusal is the ApiError a single submission answers with."""
+    try:
+        return await sup.submit(invocation)
+    except trio.TooSlowError:
+        raise ApiError(
+            503,
+            "admission_timeout",
+            "the first submission of this id is still pending",
+            headers={"Retry-After": "1"},
+        ) from None
+    except AdmissionRefused as refused:
+        ctx.metrics.admission_refusals.labels(refused.reason).inc()
+        headers = {}
+        if refused.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(refused.retry_after)))
+        raise ApiError(
+            refused.status, refused.reason, str(refused), refused.details, headers
+        ) from None
+
+
+async def _batch_item(
+    ctx: NodeContext, sup: Supervisor, invocation: InvocationRequest
+) -> BatchItem:
+    try:
+        accepted = await _submit_one(ctx, sup, invocation)
+    except ApiError as refused:
+        retry = refused.headers.get("Retry-After")
+        return BatchItem(
+            id=invocation.id,
+            status=refused.status,
+            error=BatchItemError(
+                code=refused.code, message=refused.message, details=refused.details
+            ),
+            retry_after_s=None if retry is None else int(retry),
+        )
+    return BatchItem(id=invocation.id, status=202, accepted=accepted)
 
 
 def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
@@ -31,24 +82,26 @@ def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
         require_role(ctx, ANY_OPERATOR)
         sup = ready_supervisor(ctx)
         invocation: InvocationRequest = await decode_body(InvocationRequest)
-        try:
-            accepted = await sup.submit(invocation)
-        except trio.TooSlowError:
-            raise ApiError(
-                503,
-                "admission_timeout",
-                "the first submission of this id is still pending",
-                headers={"Retry-After": "1"},
-            ) from None
-        except AdmissionRefused as refused:
-            ctx.metrics.admission_refusals.labels(refused.reason).inc()
-            headers = {}
-            if refused.retry_after is not None:
-                headers["Retry-After"] = str(max(1, math.ceil(refused.retry_after)))
-            raise ApiError(
-                refused.status, refused.reason, str(refused), refused.details, headers
-            ) from None
-        return json_response(accepted, 202)
+        return json_response(await _submit_one(ctx, sup, invocation), 202)
+
+    # A custom method on the collection (no resource is created for the batch itself);
+    # ids cannot hold ':', so it never shadows /v1/invocations/{id}.
+    @app.post("/v1/invocations:batch")
+    async def submit_batch() -> Response:
+        require_role(ctx, ANY_OPERATOR)
+        sup = ready_supervisor(ctx)
+        batch: BatchRequest = await decode_body(BatchRequest)
+        results: list[BatchItem | None] = [None] * len(batch.invocations)
+
+        async def one(index: int, invocation: InvocationRequest) -> None:
+            results[index] = await _batch_item(ctx, sup, invocation)
+
+        # Concurrently, so that the items' reservations share group commits; each item
+        # goes through admission (idempotency, queue bound, validation) on its own.
+        async with trio.open_nursery() as nursery:
+            for index, invocation in enumerate(batch.invocations):
+                nursery.start_soon(one, index, invocation)
+        return json_response(BatchReply(results=[r for r in results if r is not None]))
 
     @app.get("/v1/invocations")
     async def list_invocations() -> Response:

@@ -12,7 +12,7 @@ from quart_trio import QuartTrio
 
 from api.context import NodeContext
 from api.errors import ApiError
-from api.event_stream import HEARTBEAT_SECONDS, event_frames, resume_point
+from api.event_stream import HEARTBEAT_SECONDS, event_frames, only_ids, resume_point
 from api.http import ANY_OPERATOR, is_loopback, require_role
 from api.metrics import CONTENT_TYPE
 from api.openapi import openapi_document
@@ -41,6 +41,10 @@ def register_node_routes(app: QuartTrio, ctx: NodeContext) -> None:
         if ctx.events is None:
             raise ApiError(503, "not_ready", "the node is starting")
         hub = ctx.events
+        try:
+            only = only_ids(request.args.get("ids"))
+        except ValueError as exc:
+            raise ApiError(400, "invalid_ids", str(exc)) from None
         after = resume_point(hub, request.headers.get("Last-Event-ID"))
         try:
             subscription = hub.subscribe(after)
@@ -54,7 +58,9 @@ def register_node_routes(app: QuartTrio, ctx: NodeContext) -> None:
 
         async def body() -> AsyncIterator[bytes]:
             try:
-                async with contextlib.aclosing(event_frames(hub, stream, heartbeat)) as frames:
+                async with contextlib.aclosing(
+                    event_frames(hub, stream, heartbeat, only)
+                ) as frames:
                     async for frame in frames:
                         yield frame
             finally:

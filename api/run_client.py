@@ -1,4 +1,5 @@
-"""`litegraph-node run -- CMD ...`: submit a process invocation, follow it, cancel on Ctrl-C."""
+"""`litegraph-node run -- CMD ...`: submit a process invocation, follow it (waiting for
+its end with POST /v1/invocations:wait, printing output as it comes), cancel on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -19,17 +20,24 @@ from supervisor.wire import (
     InvocationStatus,
     ProcessWork,
     Resources,
+    WaitReply,
+    WaitRequest,
 )
 
 __all__ = ["follow_command"]
 
-POLL_SECONDS = 0.25
+# How long one wait lasts before the output written so far is printed.
+OUTPUT_SECONDS = 0.25
 REQUEST_SECONDS = 15.0
 EXIT_CODES = {
     InvocationState.succeeded: 0,
     InvocationState.cancelled: 130,
     InvocationState.timed_out: 124,
 }
+
+
+class _Lost(Exception):
+    """The node no longer answers for the invocation."""
 
 
 def _new_output(tail: str, total: int, printed: int) -> tuple[str, int]:
@@ -88,15 +96,37 @@ async def follow_command(
             raise
 
 
+async def _wait(client: httpx.AsyncClient, invocation_id: str) -> InvocationStatus | None:
+    """Its status once it has ended, or None after OUTPUT_SECONDS (still running)."""
+    asked = WaitRequest(ids=[invocation_id], timeout_s=OUTPUT_SECONDS)
+    reply = await client.post("/v1/invocations:wait", content=msgspec.json.encode(asked))
+    if reply.status_code != 200:
+        raise _Lost(_error_text(reply))
+    waited = msgspec.json.decode(reply.content, type=WaitReply)
+    if waited.unknown:
+        raise _Lost("unknown_invocation: no such invocation")
+    return waited.ended[0] if waited.ended else None
+
+
+async def _status(client: httpx.AsyncClient, invocation_id: str) -> InvocationStatus:
+    reply = await client.get(f"/v1/invocations/{invocation_id}")
+    if reply.status_code != 200:
+        raise _Lost(_error_text(reply))
+    return msgspec.json.decode(reply.content, type=InvocationStatus)
+
+
 async def _follow(client: httpx.AsyncClient, invocation_id: str, out: TextIO, err: TextIO) -> int:
+    """Wait for the end (the node answers the moment it ends); between waits, print
+    the output written so far."""
     printed_out = printed_err = 0
     state: InvocationState | None = None
     while True:
-        reply = await client.get(f"/v1/invocations/{invocation_id}")
-        if reply.status_code != 200:
-            print(f"litegraph-node run: lost the invocation: {_error_text(reply)}", file=err)
+        try:
+            ended = await _wait(client, invocation_id)
+            status = ended if ended is not None else await _status(client, invocation_id)
+        except _Lost as lost:
+            print(f"litegraph-node run: lost the invocation: {lost}", file=err)
             return 1
-        status = msgspec.json.decode(reply.content, type=InvocationStatus)
         text, printed_out = _new_output(status.stdout_tail, status.stdout_bytes, printed_out)
         out.write(text)
         text, printed_err = _new_output(status.stderr_tail, status.stderr_bytes, printed_err)
@@ -107,7 +137,6 @@ async def _follow(client: httpx.AsyncClient, invocation_id: str, out: TextIO, er
             reason = f" ({status.reason})" if status.reason else ""
             print(f"{invocation_id}: {state.value}{reason}", file=err, flush=True)
         if state in (InvocationState.queued, InvocationState.running):
-            await trio.sleep(POLL_SECONDS)
             continue
         if state is InvocationState.failed and status.exit_code is not None:
             return status.exit_code if status.exit_code > 0 else 128 - status.exit_code

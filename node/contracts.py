@@ -23,11 +23,15 @@ from node.config import Config
 from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
+    BatchReply,
+    BatchRequest,
     InvocationList,
     InvocationRequest,
     InvocationStatus,
     NodeEvent,
     SubmitResponse,
+    WaitReply,
+    WaitRequest,
 )
 
 __all__ = [
@@ -63,6 +67,10 @@ PUBLIC_TYPES: dict[str, Any] = {
     # The lane owner <-> lane host protocol (msgpack on the wire; docs/lane-host-protocol.md).
     "lane_host_request": LaneHostRequest,
     "lane_host_reply": LaneHostReply,
+    "batch_request": BatchRequest,
+    "batch_reply": BatchReply,
+    "wait_request": WaitRequest,
+    "wait_reply": WaitReply,
 }
 OPENAPI_FILE = "openapi.json"
 

@@ -172,6 +172,12 @@ class Supervisor:
             raise UnknownInvocation(invocation_id)
         return recorded_status(record)  # ended before a restart (or long ago)
 
+    def until_ended(self, invocation_id: str) -> trio.Event | None:
+        """Set once the invocation has ended and released everything; None when it is not
+        live (already ended, or unknown)."""
+        inv = self._live.get(invocation_id)
+        return None if inv is None else inv.finished
+
     def list(self) -> list[InvocationStatus]:
         return [inv.status() for inv in (*self._live.values(), *self._ended.values())]
 

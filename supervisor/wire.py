@@ -16,6 +16,12 @@ from node.machine.lanes import Isolation, Requirement
 
 __all__ = [
     "INVOCATION_ID",
+    "MAX_BATCH",
+    "MAX_WAIT_S",
+    "BatchItem",
+    "BatchItemError",
+    "BatchReply",
+    "BatchRequest",
     "BuiltinWork",
     "EventKind",
     "GrantedLane",
@@ -27,6 +33,8 @@ __all__ = [
     "ProcessWork",
     "Resources",
     "SubmitResponse",
+    "WaitReply",
+    "WaitRequest",
 ]
 
 # Ids reach paths, logs and cgroup names: a tight alphabet, checked before anything else.
@@ -135,6 +143,63 @@ class SubmitResponse(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     state: InvocationState
     lanes: list[GrantedLane]
     tokens: dict[str, str]  # lane_id -> capability token
+
+
+# Invocation requests in one batch submission (and the 64 KiB body limit holds too).
+MAX_BATCH = 256
+
+
+class BatchRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    invocations: Annotated[
+        list[InvocationRequest], msgspec.Meta(min_length=1, max_length=MAX_BATCH)
+    ]
+
+
+class BatchItemError(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The error envelope's body, as a single submission would have got it."""
+
+    code: str
+    message: str
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class BatchItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One item's answer: `status` is what a single submission would have answered
+    (202 with `accepted`, else the error and, for 429/503, `retry_after_s`)."""
+
+    id: str
+    status: int
+    accepted: SubmitResponse | None = None
+    error: BatchItemError | None = None
+    retry_after_s: int | None = None
+
+
+class BatchReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One item per request, in the order they were sent."""
+
+    results: list[BatchItem]
+
+
+# The longest a wait holds its request: below every client and proxy timeout we ship.
+MAX_WAIT_S = 60.0
+
+
+class WaitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Wait until every one of `ids` has ended (or, with `any`, the first), at most
+    `timeout_s` seconds."""
+
+    ids: Annotated[list[InvocationId], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_S)] = 30.0
+    any: bool = False
+
+
+class WaitReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The statuses of those that ended, the ids still queued or running when the wait
+    ran out, and the ids this node does not know."""
+
+    ended: list[InvocationStatus]
+    pending: list[str]
+    unknown: list[str]
 
 
 class InvocationList(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
