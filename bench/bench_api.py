@@ -58,12 +58,12 @@ print(json.dumps({"rps": len(lat) / (time.perf_counter() - start),
 
 
 @contextlib.contextmanager
-def serve(state_dir: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+def serve(state_dir: pathlib.Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
     """`litegraph-node serve --devices sim` on loopback; yields (process, url, secret)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LITEGRAPH_NODE_")}
     env["PYTHONPATH"] = str(ROOT)
     argv = [sys.executable, "-m", "node", "serve", "--devices", "sim", "--listen", "127.0.0.1:0"]
-    argv += ["--state-dir", str(state_dir), "--log-level", "warning"]
+    argv += ["--state-dir", str(state_dir), "--log-level", "warning", *extra]
     # --log-level warning hides "listening on": ask /readyz via the port in the pid's sockets.
     with subprocess.Popen(
         argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True

@@ -1,0 +1,321 @@
+"""Throughput with group commit, batches and waits, side by side in one run:
+
+- the disk's own fsync rate (write 100 bytes + fsync, in a loop) on the temp dir
+  and on tmpfs: the physical limit of a journal that fsyncs;
+- in process: 64 concurrent clients submitting no-op builtins and waiting for each
+  to end, journal fsync'd on disk and on tmpfs, against 64 bare trio tasks doing
+  the same number of checkpoints; with the invocations each fsync carried;
+- through the HTTP API (a `serve` subprocess, this process the client): batches of
+  256 no-op builtins, each followed by a wait for its ids, two batches in flight,
+  state dir on disk and on tmpfs; the same for `true` processes, against bare
+  `trio.run_process(["true"])` with the same concurrency;
+- cancel to released through the API (DELETE of a running sleep, median and p99),
+  and from that DELETE until the next invocation that needs every CPU is running.
+
+Each figure is measured REPEATS times after a warm-up; the median and the range
+(min-max) are reported.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+import trio
+
+from bench.bench_api import serve
+from bench.bench_supervisor import SHM, request, supervisor
+from bench.harness import Finding, median, percentile
+
+REPEATS = 5
+IN_PROCESS_N = 2000
+CLIENTS = 64
+API_BATCH = 256
+API_N = 2048
+PROCESS_BATCH = 64
+PROCESS_N = 256
+CANCELS = 50
+WHOLE_NODE_CANCELS = 12
+
+
+def _spread(samples: list[float], unit: str = "/s") -> str:
+    return (
+        f"median {median(samples):,.0f}{unit} "
+        f"(range {min(samples):,.0f}-{max(samples):,.0f}, n={len(samples)})"
+    )
+
+
+# -- the disk -------------------------------------------------------------------------------
+
+
+def fsync_rate(directory: str | None, seconds: float = 1.0) -> float:
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        fd = os.open(pathlib.Path(tmp) / "f", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            count, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                os.write(fd, b"x" * 100)
+                os.fsync(fd)
+                count += 1
+            return count / (time.perf_counter() - start)
+        finally:
+            os.close(fd)
+
+
+# -- in process -----------------------------------------------------------------------------
+
+
+async def _in_process(state_dir: pathlib.Path) -> tuple[float, float]:
+    """(invocations/s, invocations per journal fsync) with CLIENTS concurrent clients."""
+    async with supervisor(state_dir, limit=4 * CLIENTS) as sup:
+        names = iter(range(IN_PROCESS_N))
+
+        async def client() -> None:
+            for n in names:
+                await sup.submit(request(f"n{n}"))
+                ended = sup.until_ended(f"n{n}")
+                if ended is not None:
+                    await ended.wait()
+
+        group = sup.machine.group_commit
+        batches = group.batches
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(CLIENTS):
+                nursery.start_soon(client)
+        elapsed = time.perf_counter() - start
+        fsyncs = group.batches - batches
+    return IN_PROCESS_N / elapsed, IN_PROCESS_N / max(1, fsyncs)
+
+
+async def _bare() -> float:
+    names = iter(range(IN_PROCESS_N))
+
+    async def client() -> None:
+        for _ in names:
+            await trio.lowlevel.checkpoint()
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(CLIENTS):
+            nursery.start_soon(client)
+    return IN_PROCESS_N / (time.perf_counter() - start)
+
+
+def _in_dir(
+    base: str | None, fn: Callable[[pathlib.Path], Awaitable[tuple[float, float]]]
+) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory(dir=base) as state:
+        return trio.run(fn, pathlib.Path(state))
+
+
+# -- through the API ------------------------------------------------------------------------
+
+
+def _echo(invocation_id: str) -> dict[str, object]:
+    return {
+        "id": invocation_id,
+        "work": {"kind": "builtin", "name": "echo", "args": {"text": ""}},
+        "resources": {"cpu_millis": 1, "memory_bytes": 1},
+    }
+
+
+def _true(invocation_id: str) -> dict[str, object]:
+    return {
+        "id": invocation_id,
+        "work": {"kind": "process", "argv": ["true"]},
+        "resources": {"cpu_millis": 1, "memory_bytes": 16 * 2**20},
+    }
+
+
+async def _api_rate(
+    url: str,
+    secret: str,
+    prefix: str,
+    make: Callable[[str], dict[str, object]],
+    total: int,
+    batch: int,
+) -> float:
+    headers = {"Authorization": f"Bearer {secret}"}
+    chunks = iter(range(0, total, batch))
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=70) as client:
+
+        async def loop() -> None:
+            for first in chunks:
+                ids = [f"{prefix}-{i}" for i in range(first, min(total, first + batch))]
+                reply = await client.post(
+                    "/v1/invocations:batch", json={"invocations": [make(i) for i in ids]}
+                )
+                results = reply.json()["results"]
+                refused = [r for r in results if r["status"] != 202]
+                assert not refused, refused[:2]
+                pending = ids
+                while pending:
+                    waited = await client.post(
+                        "/v1/invocations:wait", json={"ids": pending, "timeout_s": 60}
+                    )
+                    pending = waited.json()["pending"]
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(loop)
+        return total / (time.perf_counter() - start)
+
+
+async def _bare_true(total: int, concurrency: int) -> float:
+    jobs = iter(range(total))
+
+    async def worker() -> None:
+        for _ in jobs:
+            await trio.run_process(["true"])
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    return total / (time.perf_counter() - start)
+
+
+async def _running(client: httpx.AsyncClient, invocation_id: str) -> None:
+    with trio.fail_after(30):
+        while (await client.get(f"/v1/invocations/{invocation_id}")).json()["state"] != "running":  # noqa: ASYNC110
+            await trio.sleep(0.001)
+
+
+async def _cancels(url: str, secret: str) -> tuple[list[float], list[float]]:
+    headers = {"Authorization": f"Bearer {secret}"}
+    released: list[float] = []
+    whole: list[float] = []
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+        for n in range(CANCELS + 1):
+            body = _echo(f"c{n}")
+            body["work"] = {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}}
+            assert (await client.post("/v1/invocations", json=body)).status_code == 202
+            await _running(client, f"c{n}")
+            start = time.perf_counter()
+            assert (await client.delete(f"/v1/invocations/c{n}")).json()["state"] == "cancelled"
+            if n:  # the first is the warm-up
+                released.append(time.perf_counter() - start)
+        cpu = (await client.get("/v1/snapshot")).json()["capacity"]["cpu_millis"]["allocatable"]
+        for n in range(WHOLE_NODE_CANCELS + 1):
+            body = _echo(f"w{n}")
+            body["work"] = {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}}
+            body["resources"] = {"cpu_millis": cpu, "memory_bytes": 1}
+            if n == 0:
+                assert (await client.post("/v1/invocations", json=body)).status_code == 202
+                await _running(client, "w0")
+                continue
+            start = time.perf_counter()
+            await client.delete(f"/v1/invocations/w{n - 1}")
+            assert (await client.post("/v1/invocations", json=body)).status_code == 202
+            await _running(client, f"w{n}")
+            whole.append(time.perf_counter() - start)
+        await client.delete(f"/v1/invocations/w{WHOLE_NODE_CANCELS}")
+    return released, whole
+
+
+def _api_round(base: str | None, rounds: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"noop": [], "true": [], "released": [], "whole": []}
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        extra = ("--max-queued", "1024", "--max-running", "512")
+        with serve(pathlib.Path(tmp), *extra) as (_proc, url, secret):
+            trio.run(_api_rate, url, secret, "warm", _echo, API_BATCH, API_BATCH)
+            for r in range(rounds):
+                out["noop"].append(
+                    trio.run(_api_rate, url, secret, f"e{r}", _echo, API_N, API_BATCH)
+                )
+            if base is None:
+                trio.run(_api_rate, url, secret, "twarm", _true, PROCESS_BATCH, PROCESS_BATCH)
+                for r in range(rounds):
+                    out["true"].append(
+                        trio.run(_api_rate, url, secret, f"t{r}", _true, PROCESS_N, PROCESS_BATCH)
+                    )
+                released, whole = trio.run(_cancels, url, secret)
+                out["released"], out["whole"] = released, whole
+    return out
+
+
+# -- findings -------------------------------------------------------------------------------
+
+
+def run() -> list[Finding]:
+    disk_fsync = [fsync_rate(None) for _ in range(3)]
+    shm_fsync = [fsync_rate(SHM) for _ in range(3)]
+    bare = [trio.run(_bare) for _ in range(REPEATS)]
+    _in_dir(None, _in_process)  # warm-up
+    disk = [_in_dir(None, _in_process) for _ in range(REPEATS)]
+    shm = [_in_dir(SHM, _in_process) for _ in range(REPEATS)]
+    disk_rate = [r for r, _ in disk]
+    shm_rate = [r for r, _ in shm]
+    per_fsync = [p for _, p in disk]
+    api_disk = _api_round(None, REPEATS)
+    api_shm = _api_round(SHM, REPEATS)
+    bare_true = [trio.run(_bare_true, PROCESS_N, 2 * PROCESS_BATCH) for _ in range(REPEATS)]
+    released = api_disk["released"]
+    whole = api_disk["whole"]
+    ms = 1e3
+    return [
+        Finding(
+            name="the disk's own fsync rate (100-byte append + fsync)",
+            target="reference: the physical limit of a journal that fsyncs",
+            figures={
+                "temp dir": _spread(disk_fsync),
+                "tmpfs": _spread(shm_fsync),
+                "invocations per journal fsync (in process, disk)": f"{median(per_fsync):.1f}",
+            },
+            ratio=median(per_fsync),
+            met=True,
+        ),
+        Finding(
+            name=f"in process: no-op invocations/s, {CLIENTS} clients, fsync'd journal on disk",
+            target=">= 10,000/s",
+            figures={
+                "supervisor": _spread(disk_rate),
+                "supervisor, journal on tmpfs": _spread(shm_rate),
+                "bare trio tasks": _spread(bare),
+            },
+            ratio=median(bare) / median(disk_rate),
+            met=median(disk_rate) >= 10_000,
+        ),
+        Finding(
+            name="through the API: no-op invocations/s (batches of 256 + wait), journal on disk",
+            target=">= 2,500/s",
+            figures={"disk": _spread(api_disk["noop"]), "tmpfs": _spread(api_shm["noop"])},
+            ratio=median(api_disk["noop"]) / 2500,
+            met=median(api_disk["noop"]) >= 2500,
+        ),
+        Finding(
+            name="through the API: `true` process invocations/s (batches of 64 + wait)",
+            target=">= 1,000/s",
+            figures={
+                "API": _spread(api_disk["true"]),
+                f"bare trio.run_process, {2 * PROCESS_BATCH} at once": _spread(bare_true),
+            },
+            ratio=median(bare_true) / median(api_disk["true"]),
+            met=median(api_disk["true"]) >= 1000,
+        ),
+        Finding(
+            name="through the API: cancel to released (DELETE of a running sleep), journal on disk",
+            target="p99 <= 3 ms",
+            figures={
+                "DELETE": f"median {median(released) * ms:.2f} ms, "
+                f"p99 {percentile(released, 99) * ms:.2f} ms, n={len(released)}",
+                "DELETE until the next whole-node invocation runs": (
+                    f"median {median(whole) * ms:.2f} ms, worst {max(whole) * ms:.2f} ms"
+                    f" of {len(whole)}"
+                ),
+            },
+            ratio=percentile(released, 99) / 0.003,
+            met=percentile(released, 99) <= 0.003,
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    for finding in run():
+        print(finding)
