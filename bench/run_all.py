@@ -25,7 +25,16 @@ def machine() -> str:
     )
 
 
-def render(results: dict[str, list[Finding]]) -> str:
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} cores"
+
+
+def render(
+    results: dict[str, list[Finding]],
+    loads: dict[str, tuple[str, str]] | None = None,
+    notes: dict[str, list[str]] | None = None,
+) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Benchmark results",
@@ -36,9 +45,11 @@ def render(results: dict[str, list[Finding]]) -> str:
         "",
     ]
     for module, findings in results.items():
+        lines += [f"## {module}", ""]
+        if loads and module in loads:
+            before, after = loads[module]
+            lines += [f"Load average: {before} before, {after} after.", ""]
         lines += [
-            f"## {module}",
-            "",
             "| benchmark | figures | ratio | target | met |",
             "|---|---|---|---|---|",
         ]
@@ -47,25 +58,33 @@ def render(results: dict[str, list[Finding]]) -> str:
             met = "yes" if f.met else "no"
             lines.append(f"| {f.name} | {figures} | {f.ratio:.2f} | {f.target} | {met} |")
         lines.append("")
+        for note in (notes or {}).get(module, []):
+            lines += [note, ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     only = set(argv)
     results: dict[str, list[Finding]] = {}
+    loads: dict[str, tuple[str, str]] = {}
+    notes: dict[str, list[str]] = {}
     for path in sorted(HERE.glob("bench_*.py")):
         if only and path.stem not in only:
             continue
         module = importlib.import_module(f"bench.{path.stem}")
         print(f"running {path.stem} ...", file=sys.stderr, flush=True)
+        before = load()
         results[path.stem] = module.run()
+        loads[path.stem] = (before, load())
+        if hasattr(module, "notes"):  # what bounds a missed target, in words
+            notes[path.stem] = module.notes(results[path.stem])
         for f in results[path.stem]:
             print(
                 f"  {f.name}: ratio {f.ratio:.2f} ({'met' if f.met else 'NOT met'})",
                 file=sys.stderr,
             )
     if not only:
-        (HERE / "RESULTS.md").write_text(render(results))
+        (HERE / "RESULTS.md").write_text(render(results, loads, notes))
     return 0
 
 
