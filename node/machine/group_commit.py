@@ -127,6 +127,9 @@ class GroupCommit:
     async def _flush(self) -> None:
         batch: list[_Pending] = []
         try:
+            # One scheduling tick first: tasks made runnable alongside this one (the two
+            # records of one invocation's cleanup, the items of a batch) join the batch.
+            await trio.lowlevel.checkpoint()
             while batch := self._take():
                 await self._write(batch)
                 batch = []

@@ -246,3 +246,18 @@ async def test_a_supervisor_stopping_during_admission_refuses_and_releases(
         assert tokens.live_tokens == 0
     finally:
         await m.aclose()
+
+
+async def test_a_cancel_journals_the_release_and_the_outcome_in_one_fsync(
+    tmp_path: Path,
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        await rig.sup.submit(builtin("c", seconds=60))
+        await rig.wait_state("c", InvocationState.running)
+        before = rig.machine.group_commit.batches
+        status = await rig.sup.cancel("c")
+        assert status.state is InvocationState.cancelled
+        # Both records were durable when DELETE answered, and they shared one fsync.
+        assert rig.machine.group_commit.batches - before == 1
+        assert "c" not in rig.machine.journal.reservations()
+        assert rig.machine.journal.ended("c") is not None
