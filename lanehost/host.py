@@ -10,8 +10,10 @@ prints can land inside the protocol stream.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -108,6 +110,23 @@ def serve(in_fd: int, out_fd: int, state: LaneState) -> int:
         _send(out_fd, _answer(state, payload))
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this host when the owner's thread that started it dies.
+
+    The owner sets this before exec too, but an exec that changes credentials
+    or raises capabilities clears it; set here, after exec, it holds. If the
+    owner died before this point, stdin is already at EOF and the host exits.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError) as exc:
+        log.warning("no parent-death signal: %r", exc)
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lanehost", description=__doc__)
     parser.add_argument("--lane-id", required=True)
@@ -128,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Keep private copies of the protocol pipes, then point 0 at /dev/null and
     # 1 at stderr: a stray print() or a library's banner cannot corrupt a frame.
+    _die_with_parent()
     in_fd, out_fd = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

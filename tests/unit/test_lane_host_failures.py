@@ -247,29 +247,41 @@ def test_the_host_environment_names_only_the_lanes_devices() -> None:
     assert cpu["CUDA_VISIBLE_DEVICES"] == "" == cpu["NVIDIA_VISIBLE_DEVICES"]
 
 
+NAP_KERNEL = """
+import time
+from lanehost.kernels import Kernel
+
+nap = Kernel("nap", lambda xp, args, buffers: time.sleep(60) or {})
+"""
+
 PARENT = """
 import sys, trio
 from supervisor.lane_host import LaneHost
 
 async def main():
-    lane = LaneHost("lane_test", 16, command=sys.argv[1:], start_timeout=60)
+    lane = LaneHost("lane_test", 16, backend="numpy", env={"PYTHONPATH": sys.argv[1]})
+    await lane.start()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lane.start)
-        while lane.pid is None:
-            await trio.sleep(0.01)
+        nursery.start_soon(lane.run, "nap")
+        await trio.sleep(0.3)  # the host is inside the kernel, not reading its stdin
         print(lane.pid, flush=True)
 
 trio.run(main)
 """
 
 
-def test_a_sigkilled_daemon_takes_its_host_with_it(tmp_path: pathlib.Path) -> None:
-    # The fake host never reads its stdin, so only PR_SET_PDEATHSIG can end it.
-    command = fake_host(tmp_path, "time.sleep(60)")
+def test_a_sigkilled_daemon_takes_its_busy_host_with_it(tmp_path: pathlib.Path) -> None:
+    # Busy in a kernel, the host does not see its stdin close: only
+    # PR_SET_PDEATHSIG can end it.
+    (tmp_path / "nap_kernel.py").write_text(textwrap.dedent(NAP_KERNEL))
+    info = tmp_path / "nap_kernel-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nap-kernel\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[litegraph.kernels]\nnap = nap_kernel:nap\n")
     parent_script = tmp_path / "daemon.py"
     parent_script.write_text(textwrap.dedent(PARENT))
     with subprocess.Popen(
-        [sys.executable, str(parent_script), *command], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(parent_script), str(tmp_path)], stdout=subprocess.PIPE, text=True
     ) as parent:
         try:
             assert parent.stdout is not None
