@@ -344,6 +344,11 @@ def _gated_argv(spec: ProcessSpec) -> list[str]:
     return bwrap_argv(spec.sandbox, spec.argv, block_fd=0)
 
 
+async def _watch_oom(cgroup: InvocationCgroup, scope: trio.CancelScope) -> None:
+    with scope:
+        await cgroup.kill_after_oom()
+
+
 def _cgroup_limits(spec: ProcessSpec, memory_bytes: int) -> CgroupLimits:
     cpus = len(os.sched_getaffinity(0))
     # A sandboxed guest may open only its grant's device nodes (v1's devices controller).
@@ -445,7 +450,10 @@ async def run_process(
                 except CgroupError as exc:
                     log.error("%s: %s", spec.cgroup_name, exc)
                 if on_usage is not None:
-                    on_usage(cgroup.usage())
+                    try:
+                        on_usage(cgroup.usage())
+                    except CgroupError as exc:  # unread counters never keep the cgroup
+                        log.error("%s: no usage: %s", spec.cgroup_name, exc)
                 await cgroup.remove()
 
     try:
@@ -462,7 +470,12 @@ async def run_process(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pump, proc.stdout, stdout)
             nursery.start_soon(pump, proc.stderr, stderr)
+            oom_watch = trio.CancelScope()
+            if cgroup is not None and cgroup.version == "v1":
+                # v1's OOM killer ends one process; an invocation ends whole (v2: oom.group).
+                nursery.start_soon(_watch_oom, cgroup, oom_watch)
             await _wait_exit_unreaped(proc, pidfd)
+            oom_watch.cancel()
             # A normal exit too ends the group: grandchildren left behind go as well,
             # and then the pipes reach EOF.
             await end_group()

@@ -9,6 +9,7 @@ import signal
 import time
 
 import httpx
+import trio
 
 from node.machine.cgroups import Cgroups, system_cgroups
 from tests.adversarial.fixtures import subprocess_node
@@ -76,6 +77,24 @@ async def test_a_guest_beyond_its_memory_ends_oom_killed_and_the_rest_lives(
         assert found["usage"]["peak_memory_bytes"] <= 128 * MiB + MiB
         assert (await status(node, "neighbour"))["state"] == "running"
         assert (await node.client.get("/healthz")).status_code == 200
+
+
+async def test_a_child_beyond_the_memory_ends_the_whole_invocation_oom_killed(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The kernel's OOM killer takes the biggest process, here a child; the invocation
+    # (its leader sleeping on) ends with it, as one unit.
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.run([sys.executable, '-c', {ALLOCATE.format(n=512 * MiB)!r}])\n"
+        "time.sleep(60)\n"
+    )
+    async with confined_node(tmp_path) as node:
+        body = python(code)
+        body["resources"]["memory_bytes"] = 128 * MiB
+        with trio.fail_after(20):
+            found = await run_to_end(node, body)
+        assert (found["state"], found["reason"]) == ("failed", "oom_killed"), found
 
 
 async def test_within_its_memory_a_guest_succeeds_and_reports_its_peak(
