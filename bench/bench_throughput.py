@@ -379,8 +379,10 @@ def notes(findings: list[Finding]) -> list[str]:
                 f"Missed: cancel to released p99 {m['released_p99'] * 1e3:.2f} ms is"
                 f" {m['released_p99'] / 0.003:.1f}x the 3 ms target (median"
                 f" {m['released_median'] * 1e3:.2f} ms). DELETE answers only after the"
-                " release and the `ended` record are fsynced (two journal writes, each at"
-                f" least one {fsync_ms:.2f} ms fsync on this disk) and the HTTP round trip."
+                " release and the `ended` record are fsynced (they share one group commit:"
+                f" at least one {fsync_ms:.2f} ms fsync on this disk, plus the worker-thread"
+                " hand-off) and the HTTP round trip; the tail is the shared machine's load"
+                " (see the load average above)."
             )
         else:
             out.append(f"Missed: {finding.name}.")
