@@ -13,7 +13,7 @@ from api.errors import ApiError
 from api.responses import error_response, json_response
 from api.routes_invocations import register_invocation_routes
 from api.routes_keys import register_key_routes
-from api.routes_lanes import register_lane_routes
+from api.routes_lanes import LaneRequest, register_lane_routes
 from api.routes_node import register_node_routes
 from api.routes_wait import register_wait_routes
 
@@ -25,6 +25,7 @@ MAX_BODY_BYTES = 64 * 1024
 
 def create_app(ctx: NodeContext) -> QuartTrio:
     app = QuartTrio("litegraph_node")
+    app.request_class = LaneRequest  # uploads may be bigger than JSON bodies
     # Quart refuses bodies over this before a handler reads them (413).
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BODY_TIMEOUT"] = ctx.http.body_timeout

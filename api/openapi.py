@@ -14,7 +14,13 @@ from api.errors import ErrorEnvelope
 from api.wire import DrainReply, HealthReply, IntrospectionRequest, ReadyReply
 from capabilities import Introspection, KeySet
 from node.machine.snapshot import NodeSnapshot
-from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
+from supervisor.lane_work import (
+    BUFFER_ID_PATTERN,
+    MAX_TRANSFER_BYTES,
+    LaneWorkReply,
+    LaneWorkRequest,
+    TokenReply,
+)
 from supervisor.wire import (
     BatchReply,
     BatchRequest,
@@ -39,6 +45,7 @@ _DESCRIPTIONS = {
     404: "No such resource",
     409: "Conflicts with current state",
     413: "Body too large",
+    416: "Offset or length outside the buffer",
     415: "Body is not JSON",
     422: "Request well-formed but invalid",
     429: "Too much load; retry after Retry-After seconds",
@@ -267,6 +274,50 @@ def openapi_document() -> dict[str, Any]:
                     200, json_of["work_reply"], (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)
                 ),
             },
+        },
+    }
+    octets = _content(
+        {"type": "string", "contentMediaType": "application/octet-stream"},
+        "application/octet-stream",
+    )
+    buffer_id = {
+        "name": "buffer_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": BUFFER_ID_PATTERN},
+    }
+
+    def _query(name: str, top: int, required: bool) -> dict[str, Any]:
+        schema = {"type": "integer", "minimum": 0, "maximum": top}
+        return {"name": name, "in": "query", "required": required, "schema": schema}
+
+    paths["/v1/lanes/{lane_id}/buffers/{buffer_id}"] = {
+        "parameters": [lane_id, buffer_id],
+        "put": {
+            "operationId": "buffer_upload",
+            "security": _TOKEN,
+            "description": (
+                "Write the body's bytes into a buffer the token's invocation holds, at"
+                f" `offset`; at most {MAX_TRANSFER_BYTES} bytes (413 beyond)."
+            ),
+            "parameters": [_query("offset", 2**62, False)],
+            "requestBody": {"required": True, "content": octets},
+            "responses": _responses(
+                200, json_of["work_reply"], (400, 401, 403, 404, 409, 413, 415, 416, 429, 503)
+            ),
+        },
+        "get": {
+            "operationId": "buffer_download",
+            "security": _TOKEN,
+            "description": (
+                "Read `length` bytes from `offset` of a buffer the token's invocation holds;"
+                f" at most {MAX_TRANSFER_BYTES} (413 beyond)."
+            ),
+            "parameters": [
+                _query("offset", 2**62, False),
+                _query("length", MAX_TRANSFER_BYTES, True),
+            ],
+            "responses": _responses(200, octets, (400, 401, 403, 404, 409, 413, 416, 429, 503)),
         },
     }
     paths["/v1/lanes/{lane_id}/token"] = {

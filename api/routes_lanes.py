@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
+from quart_trio.wrappers import TrioRequest
 
 from api.context import NodeContext
 from api.errors import ApiError
@@ -18,9 +21,47 @@ from capabilities import LaneOp, RefreshTooEarly, TokenRefusal, TokenRefused
 from node.machine.snapshot import rfc3339
 from supervisor.core import Supervisor
 from supervisor.lane_owner import LaneWorkError
-from supervisor.lane_work import LaneWorkRequest, TokenReply, lane_op
+from supervisor.lane_work import (
+    BUFFER_ID_PATTERN,
+    MAX_TRANSFER_BYTES,
+    Download,
+    LaneJob,
+    LaneWorkRequest,
+    TokenReply,
+    Upload,
+    lane_op,
+)
 
-__all__ = ["register_lane_routes"]
+__all__ = ["LaneRequest", "register_lane_routes"]
+
+_BUFFER_ID = re.compile(BUFFER_ID_PATTERN)
+_UPLOAD_PATH = re.compile(r"^/v1/lanes/[^/]+/buffers/[^/]+$")
+
+
+class LaneRequest(TrioRequest):
+    """A buffer upload's body may be up to MAX_TRANSFER_BYTES; every other body
+    keeps the app's small limit. Set before any byte is read, so a bigger body
+    is still refused (413) unread."""
+
+    def __init__(self, method: str, scheme: str, path: str, *args: Any, **kwargs: Any) -> None:
+        if method == "PUT" and _UPLOAD_PATH.match(path):
+            kwargs["max_content_length"] = MAX_TRANSFER_BYTES
+        super().__init__(method, scheme, path, *args, **kwargs)
+
+
+def _int_arg(name: str, default: int | None, top: int) -> int:
+    text = request.args.get(name)
+    if text is None:
+        if default is None:
+            raise ApiError(400, "invalid_request", f"{name} is required", {"field": name})
+        return default
+    if not text.isdigit() or len(text) > 19:
+        raise ApiError(400, "invalid_request", f"{name} must be an integer", {"field": name})
+    if int(text) > top:
+        status = 413 if name == "length" else 400  # a read beyond the transfer bound
+        raise ApiError(status, "too_large", f"{name} must be at most {top}", {"field": name})
+    return int(text)
+
 
 # Who the token is (401) versus what it may do (403).
 FORBIDDEN = frozenset(
@@ -88,6 +129,40 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
                 trio.current_time() - started
             )
         return json_response(reply)
+
+    async def _buffer_job(lane_id: str, buffer_id: str, job: LaneJob | None) -> Any:
+        check_identifier(lane_id, LANE_ID, "lane_id")
+        check_identifier(buffer_id, _BUFFER_ID, "buffer_id")
+        token = _bearer()
+        sup = ready_supervisor(ctx)
+        with _lane_errors(ctx):
+            sup.lane_caller(lane_id, token)  # no valid token: refused before the body is read
+        if job is None:  # an upload: its body, now that the token is known good
+            if request.mimetype != "application/octet-stream":
+                raise ApiError(415, "unsupported_media_type", "send application/octet-stream")
+            offset = _int_arg("offset", 0, 2**62)
+            body = await request.get_data(as_text=False)
+            data = body if isinstance(body, bytes) else body.encode()
+            job = Upload(buffer_id=buffer_id, offset=offset, data=data)
+        with _lane_errors(ctx):
+            _check_holder(sup, lane_id, token, lane_op(job))
+            if isinstance(job, Download):
+                return await sup.lane_download(lane_id, token, job)
+            return await sup.lane_work(lane_id, token, job)
+
+    @app.put("/v1/lanes/<lane_id>/buffers/<buffer_id>")
+    async def upload(lane_id: str, buffer_id: str) -> Response:
+        return json_response(await _buffer_job(lane_id, buffer_id, None))
+
+    @app.get("/v1/lanes/<lane_id>/buffers/<buffer_id>")
+    async def download(lane_id: str, buffer_id: str) -> Response:
+        work = Download(
+            buffer_id=buffer_id,
+            offset=_int_arg("offset", 0, 2**62),
+            length=_int_arg("length", None, MAX_TRANSFER_BYTES),
+        )
+        data: bytes = await _buffer_job(lane_id, buffer_id, work)
+        return Response(data, status=200, content_type="application/octet-stream")
 
     @app.post("/v1/lanes/<lane_id>/token")
     async def refresh_token(lane_id: str) -> Response:

@@ -33,7 +33,7 @@ from node.machine import Machine
 from node.machine.lanes import Requirement
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
-from supervisor.lane_work import SimulatedExecutor
+from supervisor.lane_host import lane_host_factory
 from supervisor.wire import (
     BuiltinWork,
     InvocationRequest,
@@ -74,7 +74,7 @@ async def supervisor(state_dir: pathlib.Path, *, limit: int) -> AsyncIterator[Su
             machine,
             tokens,
             EventHub[NodeEvent](max_subscribers=2, buffer=64),
-            SimulatedExecutor(machine.ledger.available),
+            lane_host_factory(backend="numpy"),
             max_queued=limit,
             max_running=limit,
             kill_grace=2.0,

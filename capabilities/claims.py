@@ -41,6 +41,8 @@ class LaneOp(enum.StrEnum):
     MEMORY_RESERVE = "memory_reserve"
     MEMORY_RELEASE = "memory_release"
     EXECUTE = "execute"
+    MEMORY_WRITE = "memory_write"  # upload bytes into a buffer the invocation holds
+    MEMORY_READ = "memory_read"  # download bytes from one
 
 
 class Isolation(enum.StrEnum):

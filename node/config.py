@@ -92,6 +92,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guest_run_dir: str
     guest_pids_max: int
     dev_root: str
+    lane_host_command: tuple[str, ...]
     log_level: LogLevel
     log_format: LogFormat
 
@@ -169,6 +170,14 @@ def _xids(value: list[Any]) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+def _command(value: list[Any]) -> tuple[str, ...]:
+    if not all(isinstance(x, str) and x and "\0" not in x for x in value):
+        raise ValueError("expected a JSON array of non-empty strings")
+    if value and not value[0].startswith("/"):
+        raise ValueError("the program must be an absolute path")
+    return tuple(value)
+
+
 def _ttl(value: float) -> float:
     if not 0 < value <= MAX_TOKEN_TTL:
         raise ValueError(f"must be in (0, {MAX_TOKEN_TTL:.0f}] seconds")
@@ -216,6 +225,7 @@ _CHECKS: dict[str, Any] = {
     "guest_run_dir": _absolute_or_empty,
     "guest_pids_max": lambda v: int(_positive(v)),
     "dev_root": _absolute,
+    "lane_host_command": _command,
     "log_level": LogLevel,
     "log_format": LogFormat,
 }

@@ -34,6 +34,7 @@ from node.config import Config, DeviceMode
 from node.guests import GuestSetup, GuestSetupError, open_guest_setup
 from node.machine import Machine
 from node.machine.cgroups import CgroupsUnavailable, system_cgroups
+from node.machine.discovery_sim import SimDeviceSource
 from node.machine.health import HealthTransition
 from node.machine.journal import JournalError
 from node.machine.readiness import Readiness
@@ -42,7 +43,7 @@ from node.signals import SignalWatcher, sole_error
 from node.statedir import StateDirError, prepare_state_dir
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
-from supervisor.lane_work import SimulatedExecutor
+from supervisor.lane_host import lane_host_factory
 from supervisor.wire import InvocationState, NodeEvent
 
 __all__ = ["Daemon", "StartupError", "http_settings", "startup_error_in"]
@@ -230,7 +231,13 @@ class Daemon:
             machine,
             tokens,
             events,
-            SimulatedExecutor(machine.ledger.available),
+            lane_host_factory(
+                config.lane_host_command,
+                # Simulated devices are host memory: NumPy even where CuPy is installed.
+                backend="numpy"
+                if isinstance(machine.inventory.source, SimDeviceSource)
+                else "auto",
+            ),
             max_queued=config.max_queued,
             max_running=config.max_running,
             node_url=self.url,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -31,7 +31,7 @@ from capabilities.errors import CapabilityError, MintError, RevocationFull
 from node.machine import Machine
 from node.machine.health import HealthState, HealthTransition
 from node.machine.journal import JournalError
-from node.machine.lanes import Isolation, LaneKind, Requirement
+from node.machine.lanes import Isolation, Lane, LaneKind, Requirement
 from node.machine.ledger import ReservationRefused, ReservationRequest
 from node.machine.model import JOURNAL_RETRY_INTERVAL
 from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
@@ -39,7 +39,7 @@ from supervisor.events import EventHub
 from supervisor.guests import GuestPolicy
 from supervisor.invocation import Invocation, utc_now
 from supervisor.lane_owner import LaneOwner, LaneWorkError
-from supervisor.lane_work import LaneExecutor, LaneWorkReply, LaneWorkRequest
+from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
 from supervisor.lifecycle import TERMINAL, Ending, next_state
 from supervisor.process import ProcessStuck
 from supervisor.remembered import (
@@ -63,7 +63,7 @@ from supervisor.wire import (
 __all__ = ["Supervisor", "UnknownInvocation"]
 
 log = logging.getLogger(__name__)
-GPU_OPS = frozenset({LaneOp.MEMORY_RESERVE, LaneOp.MEMORY_RELEASE, LaneOp.EXECUTE})
+GPU_OPS = frozenset(LaneOp)  # reserve, release, write, read, execute
 CPU_OPS = frozenset({LaneOp.EXECUTE})
 FAILED_STATES = frozenset({HealthState.UNHEALTHY, HealthState.LOST})
 EXCLUSIVE = frozenset({Isolation.DEDICATED, Isolation.PARTITIONED})
@@ -79,7 +79,7 @@ class Supervisor:
         machine: Machine,
         tokens: TokenService,
         events: EventHub[NodeEvent],
-        executor: LaneExecutor,
+        lane_hosts: Callable[[Lane], LaneDevice],
         *,
         max_queued: int,
         max_running: int,
@@ -114,9 +114,11 @@ class Supervisor:
             lane.lane_id: LaneOwner(
                 lane,
                 self.validator,
-                executor,
+                lane_hosts,
                 is_live=lambda sub: sub in self._live,
+                usable=machine.ledger.available,
                 on_fault=self._lane_faulted,
+                on_host_failed=self._lane_host_failed,
             )
             for lane in machine.ledger.lanes()
         }
@@ -357,6 +359,16 @@ class Supervisor:
         )
         self._on_change()
 
+    def _lane_host_failed(self, lane_id: str, holders: Iterable[str]) -> None:
+        """A lane host died with their buffers: nothing they computed there is left."""
+        for sub in holders:
+            inv = self._live.get(sub)
+            if inv is not None:
+                self._cancel(inv, "lane_host_failed")
+        self.events.publish(
+            NodeEvent(kind=EventKind.lane, at=utc_now(), lane_id=lane_id, to_state="host_restarted")
+        )
+
     # -- the actor ----------------------------------------------------------------------
     async def _actor(self, inv: Invocation) -> None:
         ending: Ending | None = None
@@ -395,11 +407,11 @@ class Supervisor:
 
     async def _release(self, inv: Invocation) -> None:
         grants = inv.reservation.lanes if inv.reservation else ()
+        self._revoke(inv)  # first: none of its queued lane work runs any more
         for grant in grants:
             owner = self.owners.get(grant.lane_id)
             if owner is not None:
-                owner.free_invocation(inv.id)
-        self._revoke(inv)
+                await owner.free_invocation(inv.id)
         if inv.stuck:
             # A process that survived SIGKILL still holds its devices: keep the
             # reservation (a restart's reconcile keeps it too) and fault its GPU lanes.
@@ -481,10 +493,15 @@ class Supervisor:
         asks before it reads a request's body (TokenRefused otherwise)."""
         return self._owner(lane_id).identify(token)
 
-    async def lane_work(self, lane_id: str, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+    async def lane_work(self, lane_id: str, token: str, work: LaneJob) -> LaneWorkReply:
         owner = self._owner(lane_id)
         with trio.fail_after(self.lane_work_deadline):
             return await owner.request(token, work)
+
+    async def lane_download(self, lane_id: str, token: str, work: Download) -> bytes:
+        owner = self._owner(lane_id)
+        with trio.fail_after(self.lane_work_deadline):
+            return await owner.download(token, work)
 
     def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int) -> None:
         """On the guests' socket, a guest's token works only for that guest's uid:

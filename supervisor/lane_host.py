@@ -59,6 +59,7 @@ from lanehost.protocol import (
     frame_length,
     joined,
 )
+from node.machine.lanes import Lane
 from supervisor.identity import drop_capabilities
 from supervisor.process import DEVICE_ENV_NAMES, ENV_ALLOW_LIST
 
@@ -68,6 +69,7 @@ __all__ = [
     "LaneHost",
     "LaneHostError",
     "LaneHostFailed",
+    "lane_host_factory",
 ]
 
 log = logging.getLogger(__name__)
@@ -467,3 +469,28 @@ class LaneHost:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+Backend = Literal["auto", "numpy", "cupy"]
+
+
+def lane_host_factory(
+    command: Sequence[str] = (), *, backend: Backend = "auto", op_timeout: float = 30.0
+) -> Callable[[Lane], LaneHost]:
+    """How the daemon makes a lane's host: `command` (empty: the built-in one), the
+    lane's own device only, and the lane's VRAM as its budget (a CPU lane's is 0:
+    it holds no buffers, and its tokens grant only `execute`)."""
+    argv = tuple(command) or DEFAULT_COMMAND
+
+    def make(lane: Lane) -> LaneHost:
+        devices = (lane.visible_uuid,) if lane.visible_uuid else ()
+        return LaneHost(
+            lane.lane_id,
+            lane.vram_bytes,
+            visible_devices=devices,
+            backend=backend,
+            command=argv,
+            op_timeout=op_timeout,
+        )
+
+    return make

@@ -1,4 +1,4 @@
-"""Lane owners: one trio task per lane owns that lane's mutable state.
+"""Lane owners: one trio task per lane owns that lane's mutable state and its host.
 
 The presented capability token is checked before anything is queued (a
 junk or foreign token never takes a place), then work waits in the lane's
@@ -8,6 +8,12 @@ the owner validates the token again for this lane, the operation and the
 VRAM the invocation would then hold. An owner that crashes is restarted; more than
 `max_restarts` crashes within `window` seconds fault the lane (it leaves
 allocatable) and its pending work is refused.
+
+The work runs in the lane's host process (one per lane, started here): the
+owner keeps which buffer belongs to which invocation and forwards only ids the
+caller holds. A host that crashes, hangs or garbles is replaced, counted
+against the same restart limits; the invocations that held buffers in it are
+cancelled (`on_host_failed`), and its memory is accounted back.
 """
 
 from __future__ import annotations
@@ -16,29 +22,40 @@ import dataclasses
 import logging
 import secrets
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import trio
 
 from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefused
 from node.machine.lanes import Lane
+from supervisor.lane_host import LaneHostError, LaneHostFailed
 from supervisor.lane_queue import FairQueue, Full
 from supervisor.lane_work import (
+    Download,
     Execute,
     KernelError,
-    LaneExecutor,
+    LaneDevice,
+    LaneJob,
     LaneWorkReply,
-    LaneWorkRequest,
     MemoryRelease,
     MemoryReserve,
+    Upload,
+    lane_op,
 )
 
 __all__ = ["LaneBusy", "LaneOwner", "LaneWorkError"]
 
 log = logging.getLogger(__name__)
 
-_OPS = {MemoryReserve: LaneOp.MEMORY_RESERVE, MemoryRelease: LaneOp.MEMORY_RELEASE}
+# The host's refusals as the edge answers them; anything else is the caller's args (422).
+_HOST_CODES = {
+    "unknown_buffer": (404, "buffer_not_found"),
+    "out_of_range": (416, "out_of_range"),
+    "out_of_memory": (409, "insufficient_vram"),
+    "too_many_buffers": (429, "too_many_buffers"),
+    "unknown_kernel": (422, "unknown_kernel"),
+}
 
 
 class LaneWorkError(Exception):
@@ -58,10 +75,11 @@ class LaneBusy(LaneWorkError):
 @dataclasses.dataclass(eq=False)
 class _Job:
     token: str
-    work: LaneWorkRequest
+    work: LaneJob
     invocation_id: str  # the token's subject, checked before queueing
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     reply: LaneWorkReply | None = None
+    data: bytes | None = None  # a download's bytes
     error: Exception | None = None
     abandoned: bool = False  # the caller stopped waiting while it ran: undo a reserve
 
@@ -77,10 +95,12 @@ class LaneOwner:
         self,
         lane: Lane,
         validator: LaneValidator,
-        executor: LaneExecutor,
+        host_factory: Callable[[Lane], LaneDevice],
         *,
         is_live: Callable[[str], bool],
+        usable: Callable[[str], bool],
         on_fault: Callable[[str], None],
+        on_host_failed: Callable[[str, Iterable[str]], None] = lambda _lane, _subs: None,
         share: int = 8,
         max_queued_invocations: int = 1024,
         max_buffers: int = 4096,
@@ -89,9 +109,11 @@ class LaneOwner:
     ) -> None:
         self.lane = lane
         self._validator = validator
-        self._executor = executor
+        self._host_factory = host_factory
         self._is_live = is_live
+        self._usable = usable
         self._on_fault = on_fault
+        self._on_host_failed = on_host_failed
         self.share = share  # jobs one invocation may have queued on this lane
         self._queue = FairQueue[_Job](share=share, max_keys=max_queued_invocations)
         self._buffers: dict[str, _Buffer] = {}
@@ -100,9 +122,11 @@ class LaneOwner:
         self._max_restarts = max_restarts
         self._window = window
         self.restarts: deque[float] = deque(maxlen=max_restarts + 1)
+        self.host_starts = 0
         self.faulted = False
         self.stopped = False
-        self._current: tuple[trio.CancelScope, _Job] | None = None
+        self._host: LaneDevice | None = None
+        self._current: _Job | None = None
 
     # -- what other tasks call ------------------------------------------------------
     def identify(self, token: str) -> Claims:
@@ -119,15 +143,24 @@ class LaneOwner:
         assert refused is not None
         raise refused
 
-    async def request(self, token: str, work: LaneWorkRequest) -> LaneWorkReply:
+    async def request(self, token: str, work: LaneJob) -> LaneWorkReply:
         """Check the token, queue the work in its invocation's share (never waiting
         for room) and wait for its reply; the caller bounds the wait."""
+        job = await self._submit(token, work)
+        assert job.reply is not None
+        return job.reply
+
+    async def download(self, token: str, work: Download) -> bytes:
+        job = await self._submit(token, work)
+        assert job.data is not None
+        return job.data
+
+    async def _submit(self, token: str, work: LaneJob) -> _Job:
         if self.faulted:
             raise LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
         if self.stopped:
             raise LaneWorkError(503, "shutting_down", "the lane owner stopped")
-        op = _OPS.get(type(work), LaneOp.EXECUTE)
-        claims = self._validator.validate(token, lane_id=self.lane.lane_id, op=op)
+        claims = self._validator.validate(token, lane_id=self.lane.lane_id, op=lane_op(work))
         job = _Job(token, work, claims.sub)
         try:
             self._queue.put_nowait(claims.sub, job)
@@ -141,8 +174,7 @@ class LaneOwner:
                 job.abandoned = not self._queue.remove(job.invocation_id, job)
         if job.error is not None:
             raise job.error
-        assert job.reply is not None
-        return job.reply
+        return job
 
     def held_by(self, invocation_id: str) -> int:
         return self._held.get(invocation_id, 0)
@@ -151,41 +183,84 @@ class LaneOwner:
     def used_bytes(self) -> int:
         return sum(self._held.values())
 
-    def free_invocation(self, invocation_id: str) -> int:
-        """Stop the invocation's running work and drop its buffers; synchronous so
-        cleanup cannot skip it. Nothing of the invocation outlives it on the lane."""
-        if self._current is not None and self._current[1].invocation_id == invocation_id:
-            scope, job = self._current
-            job.error = LaneWorkError(409, "invocation_not_live", "the invocation has ended")
-            scope.cancel()
-        freed = self._held.pop(invocation_id, 0)
-        for buffer_id in [
-            b for b, buf in self._buffers.items() if buf.invocation_id == invocation_id
-        ]:
-            del self._buffers[buffer_id]
+    @property
+    def free_bytes(self) -> int:
+        """The lane memory no invocation holds."""
+        return self.lane.vram_bytes - self.used_bytes
+
+    async def free_invocation(self, invocation_id: str) -> int:
+        """Drop the invocation's buffers, in the host too. Its tokens are revoked
+        first, so none of its queued work runs; work of it already running is
+        let finish (the host's per-operation deadline bounds it: cancelling a
+        request halfway would kill the host and everyone's buffers in it).
+        Callers shield this with a deadline."""
+        current = self._current
+        if current is not None and current.invocation_id == invocation_id:
+            await current.done.wait()
+        ids = [b for b, buf in self._buffers.items() if buf.invocation_id == invocation_id]
+        freed = sum(self._buffers[b].nbytes for b in ids)
+        await self._free_in_host(ids)
         return freed
+
+    async def _free_in_host(self, buffer_ids: list[str]) -> None:
+        """Forget the buffers, then free them in the host. A host that fails here
+        is gone with all its memory; the owner replaces it at its next request."""
+        for buffer_id in buffer_ids:
+            self._drop_buffer(buffer_id)
+        host = self._host
+        if not buffer_ids or host is None:
+            return
+        try:
+            await host.free_all(buffer_ids)
+        except (LaneHostError, LaneHostFailed) as exc:
+            log.error(
+                "lane %s: freeing %d buffers failed: %s", self.lane.lane_id, len(buffer_ids), exc
+            )
 
     # -- the owner task ---------------------------------------------------------------
     async def run(self) -> None:
-        """Serve until cancelled, restarting after a crash with bounded intensity."""
+        """Start the lane's host and serve until cancelled, restarting owner and host
+        after a crash or a host failure with bounded intensity."""
         try:
             while True:
                 try:
                     await self._serve()
+                except LaneHostFailed as exc:
+                    log.error("lane %s: %s", self.lane.lane_id, exc)
+                    await self._lose_host()
                 except Exception:
                     log.exception("lane owner %s crashed", self.lane.lane_id)
-                    now = trio.current_time()
-                    self.restarts.append(now)
-                    recent = [t for t in self.restarts if now - t <= self._window]
-                    if len(recent) > self._max_restarts:
-                        self.faulted = True
-                        self._on_fault(self.lane.lane_id)
-                        self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
-                        return
+                    await self._lose_host()
+                now = trio.current_time()
+                self.restarts.append(now)
+                recent = [t for t in self.restarts if now - t <= self._window]
+                if len(recent) > self._max_restarts:
+                    self.faulted = True
+                    self._on_fault(self.lane.lane_id)
+                    self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
+                    return
         finally:
             # Cancelled (shutdown): nobody will serve what is queued; answer it now.
             self.stopped = True
             self._refuse_queued("shutting_down", "the lane owner stopped")
+            with trio.CancelScope(shield=True):
+                await self._close_host()
+
+    async def _close_host(self) -> None:
+        host, self._host = self._host, None
+        if host is not None:
+            await host.aclose()  # shielded, bounded and killing by LaneHost's own contract
+
+    async def _lose_host(self) -> None:
+        """The host (or the owner's view of it) cannot be trusted: end it, account its
+        memory back and cancel the invocations that held buffers in it."""
+        with trio.CancelScope(shield=True):
+            await self._close_host()
+        holders = set(self._held)
+        self._buffers.clear()
+        self._held.clear()
+        if holders:
+            self._on_host_failed(self.lane.lane_id, sorted(holders))
 
     def _refuse_queued(self, code: str, message: str) -> None:
         while True:
@@ -197,83 +272,118 @@ class LaneOwner:
             job.done.set()
 
     async def _serve(self) -> None:
+        host = self._host = self._host_factory(self.lane)
+        self.host_starts += 1
+        await host.start()
         while True:
             job = await self._queue.get()
-            with trio.CancelScope() as scope:
-                self._current = (scope, job)
-                try:
-                    job.reply = await self._handle(job)
-                except (LaneWorkError, TokenRefused) as exc:
-                    job.error = exc
-                except KernelError as exc:
-                    status = 503 if exc.code == "lane_unhealthy" else 422
-                    job.error = LaneWorkError(status, exc.code, str(exc))
-                except trio.Cancelled:
-                    if job.error is None:  # not ended by free_invocation: shutdown
-                        job.error = LaneWorkError(503, "shutting_down", "the lane owner stopped")
-                    raise
-                except BaseException:
-                    job.error = LaneWorkError(503, "lane_owner_crashed", "the lane owner failed")
-                    raise
-                finally:
-                    self._current = None
-                    job.done.set()
-            self._undo_unclaimed_reserve(job)
+            self._current = job
+            try:
+                await self._handle(host, job)
+            except (LaneWorkError, TokenRefused) as exc:
+                job.error = exc
+            except KernelError as exc:
+                status = 503 if exc.code == "lane_unhealthy" else 422
+                job.error = LaneWorkError(status, exc.code, str(exc))
+            except LaneHostError as exc:
+                status, code = _HOST_CODES.get(exc.code, (422, exc.code))
+                job.error = LaneWorkError(status, code, exc.message)
+            except LaneHostFailed:
+                job.error = LaneWorkError(503, "lane_host_failed", "the lane host failed")
+                raise
+            except trio.Cancelled:
+                job.error = LaneWorkError(503, "shutting_down", "the lane owner stopped")
+                raise
+            except BaseException:
+                job.error = LaneWorkError(503, "lane_owner_crashed", "the lane owner failed")
+                raise
+            finally:
+                self._current = None
+                job.done.set()
+            await self._undo_unclaimed_reserve(job)
 
-    def _undo_unclaimed_reserve(self, job: _Job) -> None:
+    async def _undo_unclaimed_reserve(self, job: _Job) -> None:
         """A reserve whose caller left while it ran: nobody got the buffer id, so
         nobody could release it; undo it."""
         if job.abandoned and job.reply is not None and isinstance(job.work, MemoryReserve):
             assert job.reply.buffer_id is not None
-            self._drop_buffer(job.reply.buffer_id)
+            if job.reply.buffer_id in self._buffers:
+                await self._free_in_host([job.reply.buffer_id])
 
-    async def _handle(self, job: _Job) -> LaneWorkReply:
+    async def _handle(self, host: LaneDevice, job: _Job) -> None:
         token, work = job.token, job.work
         lane_id = self.lane.lane_id
-        op = _OPS.get(type(work), LaneOp.EXECUTE)
+        op = lane_op(work)
         # Again: the token may have been revoked while the job waited.
         sub = self._validator.validate(token, lane_id=lane_id, op=op).sub
         held = self._held.get(sub, 0)
         if isinstance(work, MemoryReserve):  # the budget covers what it would then hold
-            self._validator.validate(token, lane_id=lane_id, op=op, vram_bytes=held + work.bytes)
+            self._validator.validate(token, lane_id=lane_id, op=op, vram_bytes=held + work.nbytes)
         if not self._is_live(sub):
             raise LaneWorkError(409, "invocation_not_live", "the invocation has ended")
         reply = LaneWorkReply(op=op.value, lane_id=lane_id, invocation_id=sub, bytes_held=held)
         if isinstance(work, MemoryReserve):
-            return self._reserve(reply, work.bytes)
-        if isinstance(work, MemoryRelease):
-            return self._release(reply, work.buffer_id)
-        assert isinstance(work, Execute)
-        result = await self._executor.execute(self.lane, work.kernel, work.args)
-        return _replace(reply, result=result)
+            job.reply = await self._reserve(host, reply, work)
+        elif isinstance(work, MemoryRelease):
+            job.reply = await self._release(reply, work.buffer_id)
+        elif isinstance(work, Upload):
+            self._own(sub, work.buffer_id)
+            written = await host.write(work.buffer_id, work.offset, work.data)
+            job.reply = _replace(reply, buffer_id=work.buffer_id, result={"nbytes": written})
+        elif isinstance(work, Download):
+            self._own(sub, work.buffer_id)
+            job.data = await host.read(work.buffer_id, work.offset, work.length)
+            job.reply = reply
+        else:
+            job.reply = _replace(reply, result=await self._execute(host, sub, work))
 
-    def _reserve(self, reply: LaneWorkReply, nbytes: int) -> LaneWorkReply:
-        lane_free = self.lane.vram_bytes - self.used_bytes
-        if nbytes > lane_free:
-            raise LaneWorkError(409, "insufficient_vram", f"the lane has {lane_free} bytes free")
+    async def _execute(self, host: LaneDevice, sub: str, work: Execute) -> dict[str, object]:
+        for buffer_id in work.buffers.values():
+            self._own(sub, buffer_id)
+        if not self._usable(self.lane.lane_id):
+            raise KernelError("lane_unhealthy", "the lane is not healthy")
+        result = await host.run(work.kernel, work.args, work.buffers)
+        if not self._usable(self.lane.lane_id):  # a fault reached the lane while it ran
+            raise KernelError("lane_unhealthy", "the lane failed while the work ran")
+        return dict(result)
+
+    def _own(self, sub: str, buffer_id: str) -> None:
+        buffer = self._buffers.get(buffer_id)
+        # Another invocation's buffer looks exactly like a missing one.
+        if buffer is None or buffer.invocation_id != sub:
+            raise LaneWorkError(404, "buffer_not_found", "no such buffer for this invocation")
+
+    async def _reserve(
+        self, host: LaneDevice, reply: LaneWorkReply, work: MemoryReserve
+    ) -> LaneWorkReply:
+        nbytes = work.nbytes
+        if nbytes > self.free_bytes:
+            raise LaneWorkError(
+                409, "insufficient_vram", f"the lane has {self.free_bytes} bytes free"
+            )
         if len(self._buffers) >= self._max_buffers:
             raise LaneWorkError(429, "too_many_buffers", "the lane holds too many buffers")
         buffer_id = "buf_" + secrets.token_hex(16)
+        await host.alloc(buffer_id, work.dtype, work.shape)
         self._buffers[buffer_id] = _Buffer(reply.invocation_id, nbytes)
-        self._held[reply.invocation_id] = reply.bytes_held + nbytes
-        return _replace(reply, buffer_id=buffer_id, bytes_held=reply.bytes_held + nbytes)
+        held = self._held[reply.invocation_id] = self._held.get(reply.invocation_id, 0) + nbytes
+        return _replace(reply, buffer_id=buffer_id, bytes_held=held)
 
-    def _release(self, reply: LaneWorkReply, buffer_id: str) -> LaneWorkReply:
-        buffer = self._buffers.get(buffer_id)
-        # Another invocation's buffer looks exactly like a missing one.
-        if buffer is None or buffer.invocation_id != reply.invocation_id:
-            raise LaneWorkError(404, "buffer_not_found", "no such buffer for this invocation")
-        return _replace(reply, buffer_id=buffer_id, bytes_held=self._drop_buffer(buffer_id))
+    async def _release(self, reply: LaneWorkReply, buffer_id: str) -> LaneWorkReply:
+        self._own(reply.invocation_id, buffer_id)
+        await self._free_in_host([buffer_id])
+        return _replace(reply, buffer_id=buffer_id, bytes_held=self.held_by(reply.invocation_id))
 
-    def _drop_buffer(self, buffer_id: str) -> int:
-        """Forget a buffer; returns what its invocation still holds on this lane."""
-        buffer = self._buffers.pop(buffer_id)
+    def _drop_buffer(self, buffer_id: str) -> None:
+        """Forget a buffer (if still known) and its bytes."""
+        buffer = self._buffers.pop(buffer_id, None)
+        if buffer is None:
+            return
         held = self._held.get(buffer.invocation_id, 0) - buffer.nbytes
         if held > 0:
             self._held[buffer.invocation_id] = held
         else:
             self._held.pop(buffer.invocation_id, None)
-        return max(0, held)
 
 
 def _replace(reply: LaneWorkReply, **changes: object) -> LaneWorkReply:

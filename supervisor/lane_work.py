@@ -1,34 +1,49 @@
-"""Lane work: the wire types a token holder sends, and the executors that run it.
+"""Lane work: the wire types a token holder sends, and what the lane owner asks its host.
 
 A reply never holds a device handle or pointer: buffers are opaque ids scoped
-to the invocation that reserved them.
+to the invocation that reserved them. The work itself runs in the lane's host
+process (`lanehost`, through `supervisor.lane_host.LaneHost`), which the
+owner reaches through the `LaneDevice` protocol below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Protocol
 
 import msgspec
-import trio
 
 from capabilities import LaneOp
-from node.machine.lanes import Lane
+from lanehost.protocol import MAX_ARGS, MAX_DATA_BYTES, MAX_DIMS, Dtype, Scalar
 
 __all__ = [
+    "BUFFER_ID_PATTERN",
+    "MAX_TRANSFER_BYTES",
+    "Download",
     "Execute",
     "KernelError",
-    "LaneExecutor",
+    "LaneDevice",
+    "LaneJob",
     "LaneWorkReply",
     "LaneWorkRequest",
     "MemoryRelease",
     "MemoryReserve",
-    "SimulatedExecutor",
     "TokenReply",
+    "Upload",
+    "itemsize",
 ]
 
 BUFFER_ID_PATTERN = r"^buf_[0-9a-f]{32}$"
-_Bytes = Annotated[int, msgspec.Meta(ge=1, le=2**50)]
+MAX_TRANSFER_BYTES = MAX_DATA_BYTES  # one upload's body or one download's length: 64 MiB
+_ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+_Dim = Annotated[int, msgspec.Meta(ge=1, le=2**40)]
+_BufferId = Annotated[str, msgspec.Meta(pattern=BUFFER_ID_PATTERN)]
+_Name = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+
+
+def itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype]
 
 
 class MemoryReserve(
@@ -39,7 +54,14 @@ class MemoryReserve(
     tag="memory_reserve",
     tag_field="op",
 ):
-    bytes: _Bytes
+    """A zeroed buffer of prod(shape) elements of dtype, in the lane's memory."""
+
+    dtype: Dtype
+    shape: Annotated[list[_Dim], msgspec.Meta(min_length=1, max_length=MAX_DIMS)]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 class MemoryRelease(
@@ -50,7 +72,7 @@ class MemoryRelease(
     tag="memory_release",
     tag_field="op",
 ):
-    buffer_id: Annotated[str, msgspec.Meta(pattern=BUFFER_ID_PATTERN)]
+    buffer_id: _BufferId
 
 
 class Execute(
@@ -61,19 +83,48 @@ class Execute(
     tag="execute",
     tag_field="op",
 ):
+    """A trusted kernel of the lane host's registry; `buffers` maps the kernel's
+    buffer names to buffer ids the same invocation holds on this lane."""
+
     kernel: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
-    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    args: Annotated[dict[_Name, Scalar], msgspec.Meta(max_length=MAX_ARGS)] = msgspec.field(
+        default_factory=dict
+    )
+    buffers: Annotated[dict[_Name, _BufferId], msgspec.Meta(max_length=MAX_ARGS)] = msgspec.field(
+        default_factory=dict
+    )
 
 
 LaneWorkRequest = MemoryReserve | MemoryRelease | Execute
 
 
-def lane_op(work: LaneWorkRequest) -> LaneOp:
+class Upload(msgspec.Struct, frozen=True, kw_only=True):
+    """Bytes written into a buffer at an offset (a route's body, never JSON)."""
+
+    buffer_id: str
+    offset: int
+    data: bytes
+
+
+class Download(msgspec.Struct, frozen=True, kw_only=True):
+    buffer_id: str
+    offset: int
+    length: int
+
+
+LaneJob = LaneWorkRequest | Upload | Download
+
+
+def lane_op(work: LaneJob) -> LaneOp:
     """The token operation a request needs."""
     if isinstance(work, MemoryReserve):
         return LaneOp.MEMORY_RESERVE
     if isinstance(work, MemoryRelease):
         return LaneOp.MEMORY_RELEASE
+    if isinstance(work, Upload):
+        return LaneOp.MEMORY_WRITE
+    if isinstance(work, Download):
+        return LaneOp.MEMORY_READ
     return LaneOp.EXECUTE
 
 
@@ -82,7 +133,7 @@ class LaneWorkReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     lane_id: str
     invocation_id: str
     buffer_id: str | None = None
-    bytes_held: int  # VRAM this invocation holds on this lane after the op
+    bytes_held: int  # lane memory this invocation holds on this lane after the op
     result: dict[str, Any] | None = None
 
 
@@ -102,47 +153,25 @@ class KernelError(Exception):
         self.code = code
 
 
-class LaneExecutor(Protocol):
-    async def execute(self, lane: Lane, kernel: str, args: Mapping[str, Any]) -> dict[str, Any]:
-        """Run one kernel on the lane; KernelError when it cannot."""
-        ...
+class LaneDevice(Protocol):
+    """What a lane owner needs of its host: `LaneHost`, or a double in tests.
+    Refusals raise `LaneHostError`; a host that cannot be trusted raises
+    `LaneHostFailed`."""
 
+    async def start(self) -> object: ...
 
-MAX_SIM_SECONDS = 60.0
-SIM_FLOPS = 50e12  # a modelled device rate, so durations scale with the work asked for
+    async def aclose(self) -> None: ...
 
+    async def alloc(self, buffer_id: str, dtype: str, shape: Sequence[int]) -> int: ...
 
-def _number(args: Mapping[str, Any], name: str, default: float, top: float) -> float:
-    value = args.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= top:
-        raise KernelError("bad_kernel_args", f"{name} must be a number in [0, {top}]")
-    return float(value)
+    async def free(self, buffer_id: str) -> int: ...
 
+    async def free_all(self, buffer_ids: Sequence[str]) -> int: ...
 
-class SimulatedExecutor:
-    """Models kernel duration; a lane that is not usable (sim faults reach it through
-    health) fails the work with `lane_unhealthy`, before or while it runs."""
+    async def write(self, buffer_id: str, offset: int, data: bytes) -> int: ...
 
-    KERNELS = ("noop", "sleep", "matmul")
+    async def read(self, buffer_id: str, offset: int, length: int) -> bytes: ...
 
-    def __init__(self, lane_usable: Callable[[str], bool]) -> None:
-        self._usable = lane_usable
-
-    async def execute(self, lane: Lane, kernel: str, args: Mapping[str, Any]) -> dict[str, Any]:
-        if kernel == "noop":
-            seconds, result = 0.0, {}
-        elif kernel == "sleep":
-            seconds = _number(args, "seconds", 0.0, MAX_SIM_SECONDS)
-            result = {"seconds": seconds}
-        elif kernel == "matmul":
-            n = _number(args, "n", 1024, 65536)
-            seconds = min(MAX_SIM_SECONDS, 2 * n**3 / SIM_FLOPS)
-            result = {"flops": 2 * int(n) ** 3, "modelled_seconds": seconds}
-        else:
-            raise KernelError("unknown_kernel", f"no kernel {kernel!r} (known: {self.KERNELS})")
-        if not self._usable(lane.lane_id):
-            raise KernelError("lane_unhealthy", "the lane is not healthy")
-        await trio.sleep(seconds)
-        if not self._usable(lane.lane_id):
-            raise KernelError("lane_unhealthy", "the lane failed while the work ran")
-        return result
+    async def run(
+        self, kernel: str, args: Mapping[str, Scalar], buffers: Mapping[str, str]
+    ) -> dict[str, Scalar]: ...

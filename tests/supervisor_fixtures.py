@@ -20,11 +20,11 @@ from capabilities import KeyRing, LaneOp, TokenRefusal, TokenRefused, TokenServi
 from node.machine import Machine
 from node.machine.health import HealthTransition
 from node.machine.journal import Journal, JournalError
-from node.machine.lanes import Isolation, LaneKind, Requirement
+from node.machine.lanes import Isolation, Lane, LaneKind, Requirement
 from node.machine.ledger import CapacityView
 from supervisor.core import Supervisor
 from supervisor.events import Dropped, EventHub
-from supervisor.lane_work import LaneExecutor, SimulatedExecutor
+from supervisor.lane_work import LaneDevice
 from supervisor.wire import (
     BuiltinWork,
     EventKind,
@@ -34,6 +34,7 @@ from supervisor.wire import (
     ProcessWork,
     Resources,
 )
+from tests.lane_doubles import InProcessHosts
 
 T = TypeVar("T")
 NODE = "n1"
@@ -108,6 +109,7 @@ class Rig:
     transitions: list[HealthTransition] = field(default_factory=list)
     # Every event published since the rig opened (a collector task drains the hub).
     seen: list[NodeEvent] = field(default_factory=list)
+    hosts: Callable[[Lane], LaneDevice] | None = None
 
     def invocation_events(self, invocation_id: str) -> list[InvocationState]:
         return [
@@ -210,7 +212,7 @@ def unstarted_supervisor(
         machine,
         tokens,
         EventHub[NodeEvent](max_subscribers=2, buffer=64),
-        SimulatedExecutor(machine.ledger.available),
+        InProcessHosts(),
         **options,
     )
     return sup, tokens
@@ -223,8 +225,7 @@ async def open_rig(
     max_queued: int = 8,
     max_running: int = 4,
     kill_grace: float = 0.5,
-    executor: LaneExecutor | None = None,
-    executor_for: Callable[[Machine], LaneExecutor] | None = None,
+    lane_hosts: Callable[[Lane], LaneDevice] | None = None,
     machine_cls: type[Machine] = Machine,
     tokens: TokenService | None = None,
     **sup_kw: Any,
@@ -247,12 +248,12 @@ async def open_rig(
             tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)
         keyring = tokens.keyring
         events = EventHub[NodeEvent](max_subscribers=8, buffer=256)
+        hosts = lane_hosts or InProcessHosts()
         sup = Supervisor(
             machine,
             tokens,
             events,
-            executor
-            or (executor_for or (lambda m: SimulatedExecutor(m.ledger.available)))(machine),
+            hosts,
             max_queued=max_queued,
             max_running=max_running,
             kill_grace=kill_grace,
@@ -269,6 +270,7 @@ async def open_rig(
             state_dir=state_dir,
             baseline=machine.ledger.capacity(),
             transitions=transitions,
+            hosts=hosts,
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(_collect, events, rig.seen)

@@ -274,7 +274,7 @@ async def test_api_lane_work_hostile_sizes_refused(tmp_path: pathlib.Path, liter
         before = await node.state()
         reply = await node.client.post(
             f"/v1/lanes/{lane}/work",
-            content=b'{"op":"memory_reserve","bytes":' + literal.encode() + b"}",
+            content=b'{"op":"memory_reserve","dtype":"uint8","shape":[' + literal.encode() + b"]}",
             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
         )
         assert reply.status_code in (400, 422), reply.text

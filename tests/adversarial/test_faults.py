@@ -12,7 +12,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -22,9 +21,7 @@ import trio
 
 import node.daemon
 from node.machine.journal import JOURNAL_FILENAME, Journal
-from node.machine.lanes import Lane
 from node.machine.monitor import probe_once
-from supervisor.lane_work import SimulatedExecutor
 from tests.adversarial.fixtures import (
     GiB,
     Node,
@@ -39,6 +36,7 @@ from tests.adversarial.fixtures import (
 )
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 from tests.helpers import stop
+from tests.lane_doubles import InProcessHosts
 
 pytestmark = pytest.mark.hostile("faults")
 
@@ -208,25 +206,14 @@ async def test_faults_full_disk_refuses_with_retry_after_and_is_not_ready_until_
 # --- lane owner crashes --------------------------------------------------------------------
 
 
-class CrashingExecutor:
-    """The simulated executor, except that kernel `crash` raises inside the owner."""
-
-    def __init__(self, lane_usable: Any) -> None:
-        self._inner = SimulatedExecutor(lane_usable)
-
-    async def execute(self, lane: Lane, kernel: str, args: Mapping[str, Any]) -> dict[str, Any]:
-        if kernel == "crash":
-            raise RuntimeError("executor blew up")
-        return await self._inner.execute(lane, kernel, args)
-
-
 def _faulted(owner: Any) -> bool:
     return bool(owner.faulted)
 
 
 @pytest.fixture
 def crashing_executor(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node.daemon, "SimulatedExecutor", CrashingExecutor)
+    # In-process hosts whose kernel `boom` raises inside the owner.
+    monkeypatch.setattr(node.daemon, "lane_host_factory", lambda *_a, **_k: InProcessHosts())
 
 
 def _vram(capacity: dict[str, Any], lane: str) -> dict[str, Any]:
@@ -243,7 +230,7 @@ async def test_faults_lane_owner_crash_restarts_then_faults_lane_past_intensity(
         sup = running.daemon.supervisor
         assert sup is not None
         owner = sup.owners[lane]
-        crash = {"op": "execute", "kernel": "crash"}
+        crash = {"op": "execute", "kernel": "boom"}
         noop = {"op": "execute", "kernel": "noop"}
         work = f"/v1/lanes/{lane}/work"
         limit = owner._max_restarts

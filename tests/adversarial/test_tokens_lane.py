@@ -131,7 +131,7 @@ async def test_lane_hostile_tokens_refused_and_nothing_changes(tmp_path: pathlib
         for name, (hostile, status, code) in _variants(node, token).items():
             if hostile == token:
                 continue  # e.g. a token with no '-' or '_' has no standard-alphabet alias
-            for body in (NOOP, {"op": "memory_reserve", "bytes": 2**20}):
+            for body in (NOOP, {"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]}):
                 reply = await _work(node, lane, hostile, body)
                 assert (reply.status_code, error_code(reply)) == (status, code), (name, reply.text)
                 tried += 1
@@ -148,7 +148,7 @@ async def test_lane_token_for_another_lane_refused_403(tmp_path: pathlib.Path) -
         others = [other for other in await node.lanes("mig") if other != lane]
         before = await node.state()
         for other in [*others, *(await node.lanes("cpu"))]:
-            for body in (NOOP, {"op": "memory_reserve", "bytes": 1}):
+            for body in (NOOP, {"op": "memory_reserve", "dtype": "uint8", "shape": [1]}):
                 reply = await _work(node, other, token, body)
                 assert reply.status_code == 403 and error_code(reply) == "wrong_audience"
         assert await node.state() == before
@@ -160,7 +160,9 @@ async def test_lane_cpu_token_asking_memory_reserve_refused(tmp_path: pathlib.Pa
         lane, token = next(iter(accepted["tokens"].items()))
         assert lane in await node.lanes("cpu")
         before = await node.state()
-        reserve = await _work(node, lane, token, {"op": "memory_reserve", "bytes": 1})
+        reserve = await _work(
+            node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [1]}
+        )
         assert reserve.status_code == 403 and error_code(reserve) == "op_not_granted"
         release = await _work(
             node, lane, token, {"op": "memory_release", "buffer_id": "buf_" + "0" * 32}
@@ -173,13 +175,19 @@ async def test_lane_vram_beyond_budget_refused_cumulatively(tmp_path: pathlib.Pa
     async with running_node(tmp_path) as node:
         accepted = await node.submit(gpu_request("vram", vram=GiB))
         lane, token = next(iter(accepted["tokens"].items()))
-        half = await _work(node, lane, token, {"op": "memory_reserve", "bytes": GiB // 2})
+        half = await _work(
+            node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [GiB // 2]}
+        )
         assert half.status_code == 200
         before = await node.state()
         # Each ask fits alone; the sum would not: the budget covers what it would then hold.
-        over = await _work(node, lane, token, {"op": "memory_reserve", "bytes": GiB // 2 + 1})
+        over = await _work(
+            node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [GiB // 2 + 1]}
+        )
         assert over.status_code == 403 and error_code(over) == "vram_over_budget"
-        huge = await _work(node, lane, token, {"op": "memory_reserve", "bytes": 2**50})
+        huge = await _work(
+            node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [2**50]}
+        )
         assert huge.status_code == 403 and error_code(huge) == "vram_over_budget"
         assert await node.state() == before
         assert node.lane_bytes()[lane] == GiB // 2
@@ -195,7 +203,10 @@ async def test_lane_buffer_theft_on_a_shared_lane_is_404(tmp_path: pathlib.Path)
         thief = await node.submit(gpu_request("thief", vram=GiB))
         assert list(owner["tokens"]) == list(thief["tokens"]) == [gpu_lane]
         reserve = await _work(
-            node, gpu_lane, owner["tokens"][gpu_lane], {"op": "memory_reserve", "bytes": 2**20}
+            node,
+            gpu_lane,
+            owner["tokens"][gpu_lane],
+            {"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]},
         )
         buffer_id = reserve.json()["buffer_id"]
         before = await node.state()
@@ -228,9 +239,13 @@ async def test_lane_token_replayed_after_invocation_ended_refused(tmp_path: path
         baseline = await node.state()
         accepted = await node.submit(gpu_request("short", seconds=0.2))
         lane, token = next(iter(accepted["tokens"].items()))
-        assert (await _work(node, lane, token, {"op": "memory_reserve", "bytes": 2**20})).is_success
+        assert (
+            await _work(
+                node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]}
+            )
+        ).is_success
         assert (await wait_for_state(node, "short"))["state"] == "succeeded"
-        for body in (NOOP, {"op": "memory_reserve", "bytes": 1}):
+        for body in (NOOP, {"op": "memory_reserve", "dtype": "uint8", "shape": [1]}):
             replay = await _work(node, lane, token, body)
             assert replay.status_code == 401 and error_code(replay) == "revoked"
         after = await node.state()
@@ -245,7 +260,11 @@ async def test_lane_token_replayed_after_cancel_refused(tmp_path: pathlib.Path) 
         baseline = await node.state()
         accepted = await node.submit(gpu_request("cancelled"))
         lane, token = next(iter(accepted["tokens"].items()))
-        assert (await _work(node, lane, token, {"op": "memory_reserve", "bytes": 2**20})).is_success
+        assert (
+            await _work(
+                node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]}
+            )
+        ).is_success
         assert node.lane_bytes()[lane] == 2**20
         ended = await node.client.delete("/v1/invocations/cancelled", headers=node.op)
         assert ended.json()["state"] == "cancelled"

@@ -27,7 +27,7 @@ def work(lane, token, body):
     return reply.status, json.loads(reply.read() or b"{}")
 """
 
-RESERVE = {"op": "memory_reserve", "bytes": 2**20}
+RESERVE = {"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]}
 OWN_WORK = CLIENT + (
     'lane = os.environ["LITEGRAPH_LANE_IDS"].split(",")[0]\n'
     'token = open(os.environ["LITEGRAPH_CAPABILITY_TOKEN_FILE"]).read().split()[0]\n'

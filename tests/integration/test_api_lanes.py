@@ -55,7 +55,7 @@ async def test_token_holder_reserves_memory_and_executes(tmp_path: pathlib.Path)
         lane, token = next(iter(accepted["tokens"].items()))
         reserve = await client.post(
             f"/v1/lanes/{lane}/work",
-            json={"op": "memory_reserve", "bytes": 2**20},
+            json={"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]},
             headers=bearer(token),
         )
         assert reserve.status_code == 200, reserve.text
@@ -77,7 +77,7 @@ async def test_token_holder_reserves_memory_and_executes(tmp_path: pathlib.Path)
         # More VRAM than the token grants: what it may do, so 403.
         over = await client.post(
             f"/v1/lanes/{lane}/work",
-            json={"op": "memory_reserve", "bytes": 2 * GiB},
+            json={"op": "memory_reserve", "dtype": "uint8", "shape": [2 * GiB]},
             headers=bearer(token),
         )
         assert over.status_code == 403 and error_code(over) == "vram_over_budget"

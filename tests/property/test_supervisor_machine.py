@@ -15,7 +15,7 @@ import os
 import queue
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,11 +27,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from capabilities import LaneOp, TokenRefusal, TokenRefused
 from node.machine.health import HealthState, Signal
-from node.machine.lanes import Isolation, Lane, Requirement
+from node.machine.lanes import Isolation, Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import Supervisor
 from supervisor.lane_owner import LaneWorkError
-from supervisor.lane_work import Execute, MemoryReserve, SimulatedExecutor
+from supervisor.lane_work import Execute, MemoryReserve
 from supervisor.wire import InvocationRequest, InvocationState, SubmitResponse
 from tests.supervisor_fixtures import (
     SIM_GPU,
@@ -70,15 +70,6 @@ REFUSALS = {
 }
 
 
-class BoomExecutor(SimulatedExecutor):
-    """Kernel `boom` raises what a kernel never should (crashes the lane owner)."""
-
-    async def execute(self, lane: Lane, kernel: str, args: Mapping[str, Any]) -> dict[str, Any]:
-        if kernel == "boom":
-            raise RuntimeError("driver bug")
-        return await super().execute(lane, kernel, args)
-
-
 class SupervisorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -108,7 +99,6 @@ class SupervisorMachine(RuleBasedStateMachine):
         async with open_rig(
             Path(self._dir.name),
             machine_cls=InlineJournalMachine,
-            executor_for=lambda machine: BoomExecutor(machine.ledger.available),
             max_queued=MAX_QUEUED,
             max_running=MAX_RUNNING,
         ) as rig:
@@ -258,7 +248,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         assert invocation_id is not None
         live = self.sup.get(invocation_id).state in LIVE
         lane_id, token = next(iter(self.responses[invocation_id].tokens.items()))
-        work = Execute(kernel="boom") if crash else MemoryReserve(bytes=gib * GiB)
+        work = Execute(kernel="boom") if crash else MemoryReserve(dtype="uint8", shape=[gib * GiB])
 
         async def go() -> object:
             try:

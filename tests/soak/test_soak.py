@@ -133,7 +133,9 @@ class Load:
                 reserved = self.record(
                     "reserve",
                     await self.client.post(
-                        work, json={"op": "memory_reserve", "bytes": MiB}, headers=bearer(token)
+                        work,
+                        json={"op": "memory_reserve", "dtype": "uint8", "shape": [MiB]},
+                        headers=bearer(token),
                     ),
                 )
                 self.record(

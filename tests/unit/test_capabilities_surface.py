@@ -91,6 +91,8 @@ def test_scope_vocabulary() -> None:
         "memory_reserve",
         "memory_release",
         "execute",
+        "memory_write",
+        "memory_read",
     ]
     assert [i.value for i in capabilities.Isolation] == [
         "shared",

@@ -5,26 +5,28 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
 
 from capabilities import Isolation as TokenIsolation
 from capabilities import LaneOp, TokenRefusal, TokenRefused
-from node.machine.lanes import Isolation, Lane, LaneKind, Requirement
+from node.machine.lanes import Isolation, LaneKind, Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.lane_owner import LaneBusy, LaneWorkError
 from supervisor.lane_work import (
+    Download,
     Execute,
     MemoryRelease,
     MemoryReserve,
-    SimulatedExecutor,
+    Upload,
 )
 from supervisor.wire import InvocationState, SubmitResponse
+from tests.lane_doubles import InProcessHosts
 from tests.supervisor_fixtures import GiB, builtin, open_rig
 
 S = InvocationState
@@ -48,15 +50,6 @@ def only_lane(response: SubmitResponse) -> tuple[str, str]:
     return lane_id, token
 
 
-class CrashingExecutor(SimulatedExecutor):
-    """The sim executor, except kernel `boom` raises what no kernel should."""
-
-    async def execute(self, lane: Lane, kernel: str, args: Mapping[str, Any]) -> dict[str, Any]:
-        if kernel == "boom":
-            raise RuntimeError("driver bug")
-        return await super().execute(lane, kernel, args)
-
-
 # -- memory -------------------------------------------------------------------------------
 
 
@@ -66,16 +59,18 @@ async def test_memory_reserve_gives_opaque_ids_within_the_token_budget(
     async with open_rig(tmp_path) as rig:
         lane_id, token = only_lane(await rig.sup.submit(gpu_work("m", vram=4 * GiB)))
         owner = rig.sup.owners[lane_id]
-        first = await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=3 * GiB))
+        first = await rig.sup.lane_work(
+            lane_id, token, MemoryReserve(dtype="uint8", shape=[3 * GiB])
+        )
         assert first.buffer_id is not None
         assert re.fullmatch(BUFFER, first.buffer_id)
         assert (first.bytes_held, first.invocation_id, first.op) == (3 * GiB, "m", "memory_reserve")
         assert owner.held_by("m") == 3 * GiB
         with pytest.raises(TokenRefused) as refused:
-            await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=GiB + 1))
+            await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[GiB + 1]))
         assert refused.value.reason is TokenRefusal.VRAM_OVER_BUDGET
         assert owner.held_by("m") == 3 * GiB
-        second = await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=GiB))
+        second = await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[GiB]))
         assert second.bytes_held == 4 * GiB and second.buffer_id != first.buffer_id
         assert first.buffer_id is not None
         released = await rig.sup.lane_work(lane_id, token, MemoryRelease(buffer_id=first.buffer_id))
@@ -92,7 +87,7 @@ async def test_another_invocations_buffer_looks_missing(
         lane_a, token_a = only_lane(await rig.sup.submit(gpu_work("a")))
         lane_b, token_b = only_lane(await rig.sup.submit(gpu_work("b")))
         assert lane_a == lane_b  # shared work packs onto one GPU
-        theirs = await rig.sup.lane_work(lane_a, token_a, MemoryReserve(bytes=GiB))
+        theirs = await rig.sup.lane_work(lane_a, token_a, MemoryReserve(dtype="uint8", shape=[GiB]))
         assert theirs.buffer_id is not None
         with pytest.raises(LaneWorkError) as refused:
             await rig.sup.lane_work(lane_b, token_b, MemoryRelease(buffer_id=theirs.buffer_id))
@@ -124,13 +119,15 @@ async def test_the_lane_refuses_more_than_its_free_vram(
             isolation=TokenIsolation.PARTITIONED,
             deadline=time.time() + 100,
         ).token
-        await rig.sup.lane_work(lane_id, big, MemoryReserve(bytes=lane.vram_bytes - GiB))
+        await rig.sup.lane_work(
+            lane_id, big, MemoryReserve(dtype="uint8", shape=[lane.vram_bytes - GiB])
+        )
         with pytest.raises(LaneWorkError) as refused:
-            await rig.sup.lane_work(lane_id, big, MemoryReserve(bytes=2 * GiB))
+            await rig.sup.lane_work(lane_id, big, MemoryReserve(dtype="uint8", shape=[2 * GiB]))
         assert (refused.value.status, refused.value.code) == (409, "insufficient_vram")
         await rig.sup.cancel("mig")
         with pytest.raises(TokenRefused) as revoked:
-            await rig.sup.lane_work(lane_id, big, MemoryReserve(bytes=1))
+            await rig.sup.lane_work(lane_id, big, MemoryReserve(dtype="uint8", shape=[1]))
         assert revoked.value.reason is TokenRefusal.REVOKED
         assert rig.sup.owners[lane_id].used_bytes == 0
 
@@ -138,38 +135,82 @@ async def test_the_lane_refuses_more_than_its_free_vram(
 # -- execute ------------------------------------------------------------------------------
 
 
-async def test_execute_runs_the_sim_kernels(
+async def test_execute_runs_real_kernels_on_the_invocations_buffers(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
         lane_id, token = only_lane(await rig.sup.submit(gpu_work("x")))
         noop = await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
         assert (noop.op, noop.result) == ("execute", {})
+        rng = np.random.default_rng(7)
+        a = rng.standard_normal((3, 4), dtype=np.float32)
+        b = rng.standard_normal((4, 2), dtype=np.float32)
+        ids = {}
+        for name, shape in (("a", [3, 4]), ("b", [4, 2]), ("out", [3, 2])):
+            reply = await rig.sup.lane_work(
+                lane_id, token, MemoryReserve(dtype="float32", shape=shape)
+            )
+            assert reply.buffer_id is not None
+            ids[name] = reply.buffer_id
+        for name, array in (("a", a), ("b", b)):
+            await rig.sup.lane_work(
+                lane_id, token, Upload(buffer_id=ids[name], offset=0, data=array.tobytes())
+            )
+        await rig.sup.lane_work(lane_id, token, Execute(kernel="matmul", buffers=ids))
+        got = await rig.sup.lane_download(
+            lane_id, token, Download(buffer_id=ids["out"], offset=0, length=3 * 2 * 4)
+        )
+        np.testing.assert_allclose(np.frombuffer(got, np.float32).reshape(3, 2), a @ b, rtol=1e-5)
         replies: list[Any] = []
 
         async def kernel(name: str, args: dict[str, Any]) -> None:
             replies.append(await rig.sup.lane_work(lane_id, token, Execute(kernel=name, args=args)))
 
-        async with trio.open_nursery() as nursery:  # kernels take (modelled) time
+        async with trio.open_nursery() as nursery:  # the lane owner serialises work
             nursery.start_soon(kernel, "sleep", {"seconds": 2})
             await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(kernel, "matmul", {"n": 1024})
+            nursery.start_soon(kernel, "noop", {})
             await trio.testing.wait_all_tasks_blocked()
             assert replies == []
             mock_clock.jump(2)
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(replies) == 1  # the lane owner serialises: matmul runs after sleep
-            mock_clock.jump(1)
-        assert replies[0].result == {"seconds": 2.0}
-        assert replies[1].result is not None and replies[1].result["flops"] == 2 * 1024**3
-        for name, args, code in (
-            ("nope", {}, "unknown_kernel"),
-            ("sleep", {"seconds": -1}, "bad_kernel_args"),
-            ("matmul", {"n": True}, "bad_kernel_args"),
+        assert [r.result for r in replies] == [{"seconds": 2}, {}]
+        for name, work, code in (
+            ("nope", Execute(kernel="nope"), "unknown_kernel"),
+            ("args", Execute(kernel="fill", args={"value": 1.0}), "bad_args"),
+            (
+                "shape",
+                Execute(kernel="matmul", buffers={"a": ids["a"], "b": ids["a"], "out": ids["out"]}),
+                "shape_mismatch",
+            ),
         ):
             with pytest.raises(LaneWorkError) as refused:
-                await rig.sup.lane_work(lane_id, token, Execute(kernel=name, args=args))
-            assert (refused.value.status, refused.value.code) == (422, code)
+                await rig.sup.lane_work(lane_id, token, work)
+            assert (refused.value.status, refused.value.code) == (422, code), name
+
+
+async def test_buffers_bound_uploads_and_downloads(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        lane_id, token = only_lane(await rig.sup.submit(gpu_work("u")))
+        reply = await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[8]))
+        assert reply.buffer_id is not None
+        buf = reply.buffer_id
+        await rig.sup.lane_work(lane_id, token, Upload(buffer_id=buf, offset=6, data=b"xy"))
+        for work in (
+            Upload(buffer_id=buf, offset=7, data=b"xy"),
+            Download(buffer_id=buf, offset=4, length=5),
+        ):
+            with pytest.raises(LaneWorkError) as refused:
+                if isinstance(work, Download):
+                    await rig.sup.lane_download(lane_id, token, work)
+                else:
+                    await rig.sup.lane_work(lane_id, token, work)
+            assert (refused.value.status, refused.value.code) == (416, "out_of_range")
+        got = await rig.sup.lane_download(
+            lane_id, token, Download(buffer_id=buf, offset=0, length=8)
+        )
+        assert got == bytes(6) + b"xy"  # a refused write changed nothing
 
 
 async def test_a_cpu_token_executes_but_cannot_reserve_memory(
@@ -180,7 +221,7 @@ async def test_a_cpu_token_executes_but_cannot_reserve_memory(
         assert lane_id == rig.cpu_lane
         await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
         with pytest.raises(TokenRefused) as refused:
-            await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=1))
+            await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[1]))
         assert refused.value.reason is TokenRefusal.OP_NOT_GRANTED
 
 
@@ -210,11 +251,11 @@ async def test_when_the_invocation_ends_its_tokens_are_revoked_and_buffers_freed
         lane_id, token = only_lane(response)
         owner = rig.sup.owners[lane_id]
         for _ in range(3):
-            await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=GiB))
+            await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[GiB]))
         assert owner.held_by("end") == 3 * GiB
         await rig.sup.cancel("end")
         assert owner.held_by("end") == 0 and owner.used_bytes == 0
-        for work in (MemoryReserve(bytes=1), Execute(kernel="noop")):
+        for work in (MemoryReserve(dtype="uint8", shape=[1]), Execute(kernel="noop")):
             with pytest.raises(TokenRefused) as refused:
                 await rig.sup.lane_work(lane_id, token, work)
             assert refused.value.reason is TokenRefusal.REVOKED
@@ -292,16 +333,17 @@ async def test_a_token_that_is_no_authority_never_takes_a_place_in_the_queue(
 # -- crashes and faults -----------------------------------------------------------------
 
 
-async def test_a_crashing_executor_restarts_the_owner(
+async def test_a_crashing_owner_restarts_with_a_new_host(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    async with open_rig(tmp_path, executor=CrashingExecutor(lambda _: True)) as rig:
+    async with open_rig(tmp_path) as rig:
         lane_id, token = only_lane(await rig.sup.submit(gpu_work("crash")))
         owner = rig.sup.owners[lane_id]
         with pytest.raises(LaneWorkError) as crashed:
             await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
         assert (crashed.value.status, crashed.value.code) == (503, "lane_owner_crashed")
         assert len(owner.restarts) == 1 and not owner.faulted
+        assert owner.host_starts == 2  # a crashed owner does not trust its old host
         reply = await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
         assert reply.result == {}
         assert rig.sup.get("crash").state is S.running
@@ -311,8 +353,7 @@ async def test_a_crashing_executor_restarts_the_owner(
 async def test_too_many_crashes_fault_the_lane_and_cancel_its_work(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    executor = CrashingExecutor(lambda _: True)
-    async with open_rig(tmp_path, executor=executor) as rig:
+    async with open_rig(tmp_path) as rig:
         response = await rig.sup.submit(gpu_work("victim"))
         lane_id, token = only_lane(response)
         await rig.sup.submit(builtin("bystander", "sleep", seconds=100))
@@ -347,7 +388,7 @@ async def test_too_many_crashes_fault_the_lane_and_cancel_its_work(
 async def test_crashes_spread_beyond_the_window_do_not_fault(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    async with open_rig(tmp_path, executor=CrashingExecutor(lambda _: True)) as rig:
+    async with open_rig(tmp_path) as rig:
         lane_id, token = only_lane(await rig.sup.submit(gpu_work("slowcrash")))
         for _ in range(12):
             with pytest.raises(LaneWorkError):
@@ -382,7 +423,9 @@ async def test_a_reserve_whose_caller_left_is_never_made(
 
         async def impatient() -> None:
             with trio.move_on_after(0.2) as waited:
-                await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=3 * GiB))
+                await rig.sup.lane_work(
+                    lane_id, token, MemoryReserve(dtype="uint8", shape=[3 * GiB])
+                )
             gave_up.append(waited.cancelled_caught)
 
         async with trio.open_nursery() as nursery:
@@ -397,32 +440,130 @@ async def test_a_reserve_whose_caller_left_is_never_made(
             mock_clock.jump(1)
         assert gave_up == [True]
         assert owner.held_by("m") == 0  # no buffer whose id nobody received
-        again = await rig.sup.lane_work(lane_id, token, MemoryReserve(bytes=4 * GiB))
+        again = await rig.sup.lane_work(
+            lane_id, token, MemoryReserve(dtype="uint8", shape=[4 * GiB])
+        )
         assert again.bytes_held == 4 * GiB  # the whole budget is still there
 
 
-async def test_ending_the_invocation_stops_its_running_lane_work(
+async def test_ending_the_invocation_lets_its_running_kernel_finish_then_frees(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
+    """Cancelling a host request halfway would kill the host and every tenant's
+    buffers in it: the kernel (bounded by the host's deadline) ends first."""
     async with open_rig(tmp_path) as rig:
+        hosts = rig.hosts
+        assert isinstance(hosts, InProcessHosts)
         lane_id, token = only_lane(await rig.sup.submit(gpu_work("m")))
-        outcome: list[LaneWorkError] = []
+        await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[GiB]))
+        outcome: list[Any] = []
 
         async def long_kernel() -> None:
-            with pytest.raises(LaneWorkError) as stopped:
+            outcome.append(
                 await rig.sup.lane_work(
-                    lane_id, token, Execute(kernel="sleep", args={"seconds": 30})
+                    lane_id, token, Execute(kernel="sleep", args={"seconds": 3})
                 )
-            outcome.append(stopped.value)
+            )
 
         started = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(long_kernel)
             await trio.testing.wait_all_tasks_blocked()
-            assert (await rig.sup.cancel("m")).state is S.cancelled
+            ended: list[Any] = []
+
+            async def cancel() -> None:
+                ended.append(await rig.sup.cancel("m"))
+
+            nursery.start_soon(cancel)
             await trio.testing.wait_all_tasks_blocked()
-            nursery.cancel_scope.cancel()  # a kernel still running would hold the test
-        # Stopped with its invocation, not left to run its 30 s on a lane now free.
-        assert trio.current_time() == started
-        assert [(e.status, e.code) for e in outcome] == [(409, "invocation_not_live")]
+            assert ended == []  # the cancel waits for the kernel's 3 s
+            mock_clock.jump(3)
+        assert trio.current_time() - started == 3
+        assert ended[0].state is S.cancelled
+        assert len(outcome) == 1
+        assert rig.sup.owners[lane_id].used_bytes == 0 and hosts.used(lane_id) == 0
+        assert hosts.summary()[lane_id] == 1  # the host was not restarted
         await rig.sup.submit(gpu_work("next", isolation=Isolation.DEDICATED))
+
+
+async def test_a_crashed_host_cancels_its_holders_and_is_replaced(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        hosts = rig.hosts
+        assert isinstance(hosts, InProcessHosts)
+        response = await rig.sup.submit(gpu_work("holder"))
+        lane_id, holder = only_lane(response)
+        _, idle = only_lane(await rig.sup.submit(gpu_work("idle")))  # no buffers there
+        await rig.sup.lane_work(lane_id, holder, MemoryReserve(dtype="float32", shape=[1024]))
+        with pytest.raises(LaneWorkError) as failed:
+            await rig.sup.lane_work(lane_id, idle, Execute(kernel="crash"))
+        assert (failed.value.status, failed.value.code) == (503, "lane_host_failed")
+        assert await rig.wait_terminal("holder") is S.cancelled
+        assert rig.sup.get("holder").reason == "lane_host_failed"
+        owner = rig.sup.owners[lane_id]
+        assert owner.used_bytes == 0 and owner.host_starts == 2
+        assert hosts.current(lane_id).state.used == 0
+        # The replacement serves; the invocation without buffers there runs on.
+        assert rig.sup.get("idle").state is S.running
+        assert (await rig.sup.lane_work(lane_id, idle, Execute(kernel="noop"))).result == {}
+        assert "host_restarted" in [e.to_state for e in rig.seen if e.lane_id == lane_id]
+        await rig.sup.cancel("idle")
+        rig.assert_released("holder", response.tokens)
+
+
+async def test_another_invocations_buffer_cannot_be_used_in_any_way(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        lane_id, owner_token = only_lane(await rig.sup.submit(gpu_work("a")))
+        _, other = only_lane(await rig.sup.submit(gpu_work("b")))
+        reply = await rig.sup.lane_work(
+            lane_id, owner_token, MemoryReserve(dtype="float32", shape=[4])
+        )
+        assert reply.buffer_id is not None
+        theirs = reply.buffer_id
+        await rig.sup.lane_work(
+            lane_id, owner_token, Upload(buffer_id=theirs, offset=0, data=b"\x01" * 16)
+        )
+        attempts: list[Any] = [
+            Upload(buffer_id=theirs, offset=0, data=b"\x00" * 16),
+            Execute(kernel="fill", args={"value": 0.0}, buffers={"out": theirs}),
+            Download(buffer_id=theirs, offset=0, length=16),
+        ]
+        for work in attempts:
+            with pytest.raises(LaneWorkError) as refused:
+                if isinstance(work, Download):
+                    await rig.sup.lane_download(lane_id, other, work)
+                else:
+                    await rig.sup.lane_work(lane_id, other, work)
+            assert (refused.value.status, refused.value.code) == (404, "buffer_not_found")
+        mine = await rig.sup.lane_download(
+            lane_id, owner_token, Download(buffer_id=theirs, offset=0, length=16)
+        )
+        assert mine == b"\x01" * 16  # untouched
+
+
+async def test_a_deadline_ending_frees_the_host_memory(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        hosts = rig.hosts
+        assert isinstance(hosts, InProcessHosts)
+        request = builtin(
+            "late",
+            "sleep",
+            requirement=Requirement.GPU,
+            gpus=1,
+            vram_bytes=GiB,
+            seconds=1000,
+            timeout_s=5,
+        )
+        lane_id, token = only_lane(await rig.sup.submit(request))
+        await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="float16", shape=[1024, 8]))
+        assert hosts.used(lane_id) == 1024 * 8 * 2
+        mock_clock.jump(5)
+        assert await rig.wait_terminal("late") is S.timed_out
+        assert hosts.used(lane_id) == 0 and rig.sup.owners[lane_id].free_bytes == (
+            rig.machine.ledger.lane(lane_id).vram_bytes  # type: ignore[union-attr]
+        )

@@ -1,0 +1,125 @@
+"""A sandboxed guest does GPU work only through its token: it reserves buffers on its
+lane, uploads two matrices, runs the trusted `matmul` kernel in the lane's host,
+downloads the product - with no device node of its own - and its buffers are freed
+in the host when it ends."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pathlib
+import signal
+
+import numpy as np
+import trio
+
+from supervisor.lane_host import LaneHost
+from tests.confinement.guests import TERMINAL, confined_node, run_to_end, status, wait_gone
+from tests.confinement.test_guest_devices import fake_dev_root
+from tests.confinement.test_guest_tokens import OWN_WORK, gpu_sandbox
+
+M, K, N = 3, 4, 5
+
+# The guest's whole program: the Python standard library over the node's Unix socket.
+MATMUL = f"""
+import base64, http.client, json, os, socket, struct
+
+class Node(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(os.environ["LITEGRAPH_NODE_SOCKET"])
+
+lane = os.environ["LITEGRAPH_LANE_IDS"].split(",")[0]
+token = open(os.environ["LITEGRAPH_CAPABILITY_TOKEN_FILE"]).read().split()[0]
+
+def call(method, path, body=b"", kind="application/json"):
+    node = Node("node", timeout=30)
+    node.request(method, f"/v1/lanes/{{lane}}" + path, body,
+                 {{"Authorization": "Bearer " + token, "Content-Type": kind}})
+    reply = node.getresponse()
+    data = reply.read()
+    assert reply.status == 200, (method, path, reply.status, data)
+    return data
+
+def work(**body):
+    return json.loads(call("POST", "/work", json.dumps(body)))
+
+def matrix(rows, cols, scale):
+    return struct.pack(f"<{{rows * cols}}f", *((i - 3) / scale for i in range(rows * cols)))
+
+a, b, out = (work(op="memory_reserve", dtype="float32", shape=s)["buffer_id"]
+             for s in ([{M}, {K}], [{K}, {N}], [{M}, {N}]))
+call("PUT", f"/buffers/{{a}}?offset=0", matrix({M}, {K}, 7), "application/octet-stream")
+call("PUT", f"/buffers/{{b}}?offset=0", matrix({K}, {N}, 3), "application/octet-stream")
+work(op="execute", kernel="matmul", buffers={{"a": a, "b": b, "out": out}})
+product = call("GET", f"/buffers/{{out}}?offset=0&length={M * N * 4}")
+devices = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
+print(json.dumps({{"product": base64.b64encode(product).decode(), "devices": devices}}))
+"""
+
+
+def _matrix(rows: int, cols: int, scale: float) -> np.ndarray:
+    values = (np.arange(rows * cols, dtype=np.float64) - 3) / scale
+    return values.astype(np.float32).reshape(rows, cols)
+
+
+async def test_a_sandbox_guest_multiplies_matrices_through_its_token_alone(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with confined_node(tmp_path, "--dev-root", str(fake_dev_root())) as node:
+        sup = node.daemon.supervisor
+        assert sup is not None
+        found = await run_to_end(node, gpu_sandbox(MATMUL, invocation_id="matmul"))
+        assert found["state"] == "succeeded", found
+        reply = json.loads(found["stdout_tail"].strip().splitlines()[-1])
+        product = np.frombuffer(base64.b64decode(reply["product"]), np.float32).reshape(M, N)
+        np.testing.assert_allclose(product, _matrix(M, K, 7) @ _matrix(K, N, 3), rtol=1e-6)
+        assert reply["devices"] == []  # the host's /dev has nvidia nodes; the guest none
+        owner = sup.owners[found["lanes"][0]["lane_id"]]
+        # Freed when it ended: in the owner's books and in the host process itself.
+        assert owner.free_bytes == owner.lane.vram_bytes
+        host = owner._host
+        assert isinstance(host, LaneHost) and host.running
+        stats = await host.stats()
+        assert (stats.used, stats.buffers) == (0, 0)
+        assert owner.host_starts == 1
+
+
+async def test_a_killed_lane_host_cancels_its_holders_and_is_replaced(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with confined_node(tmp_path) as node:
+        sup = node.daemon.supervisor
+        assert sup is not None
+        await node.submit(gpu_sandbox(OWN_WORK, invocation_id="holder"))
+        with trio.fail_after(30):
+            while "TOKEN" not in (found := await status(node, "holder"))["stdout_tail"]:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        lane, token = (
+            found["lanes"][0]["lane_id"],
+            found["stdout_tail"].split("TOKEN ")[1].split()[0],
+        )
+        owner = sup.owners[lane]
+        host = owner._host
+        assert isinstance(host, LaneHost) and host.pid is not None
+        first_pid = host.pid
+        os.kill(first_pid, signal.SIGKILL)
+        reply = await node.client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "execute", "kernel": "noop"},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert (reply.status_code, reply.json()["error"]["code"]) == (503, "lane_host_failed")
+        with trio.fail_after(30):
+            while (ended := await status(node, "holder"))["state"] not in TERMINAL:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        assert (ended["state"], ended["reason"]) == ("cancelled", "lane_host_failed")
+        with trio.fail_after(30):
+            while not (isinstance(owner._host, LaneHost) and owner._host.running):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        assert owner.host_starts == 2 and owner.free_bytes == owner.lane.vram_bytes
+        hosts = [o._host.pid for o in sup.owners.values() if isinstance(o._host, LaneHost)]
+        assert first_pid not in hosts and len(hosts) == len(sup.owners)
+    # No lane host outlives the daemon.
+    assert wait_gone([pid for pid in hosts if pid is not None]) == []

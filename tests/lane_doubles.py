@@ -1,0 +1,124 @@
+"""A deterministic lane host for tests: the real `LaneState` and NumPy kernels in
+the test's own process, plus kernels that take (mock-clock) time or misbehave.
+
+`sleep` waits `seconds` of trio time, `boom` raises what no kernel should (the
+owner crashes), `crash` makes the host fail like a dead process.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from lanehost.backend import select_backend
+from lanehost.kernels import load_kernels
+from lanehost.protocol import (
+    PROTOCOL_VERSION,
+    Alloc,
+    AllocReply,
+    ErrorReply,
+    Free,
+    FreeAll,
+    FreeAllReply,
+    FreeReply,
+    Hello,
+    HelloReply,
+    Read,
+    ReadReply,
+    Reply,
+    Request,
+    Run,
+    RunReply,
+    Scalar,
+    Write,
+    WriteReply,
+)
+from lanehost.state import LaneState
+from node.machine.lanes import Lane
+from supervisor.lane_host import LaneHostError, LaneHostFailed
+
+__all__ = ["InProcessHost", "InProcessHosts"]
+
+_R = TypeVar("_R", bound=Reply)
+
+
+class InProcessHost:
+    def __init__(self, lane: Lane) -> None:
+        self.lane_id = lane.lane_id
+        self.state = LaneState(select_backend("numpy"), lane.vram_bytes, load_kernels())
+        self.dead = False
+        self.closed = False
+        self._ids = 0
+
+    async def _call(self, request: Request, expected: type[_R]) -> _R:
+        await trio.lowlevel.checkpoint()
+        if self.dead or self.closed:
+            raise LaneHostFailed(self.lane_id, "crashed", "the lane host is not running")
+        self._ids += 1
+        reply = self.state.handle(request)
+        if isinstance(reply, ErrorReply):
+            raise LaneHostError(reply.code, reply.message)
+        assert isinstance(reply, expected)
+        return reply
+
+    async def start(self) -> HelloReply:
+        return await self._call(Hello(id=1, version=PROTOCOL_VERSION), HelloReply)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    async def alloc(self, buffer_id: str, dtype: str, shape: Sequence[int]) -> int:
+        msg = Alloc(id=1, buffer_id=buffer_id, dtype=dtype, shape=tuple(shape))  # type: ignore[arg-type]
+        return (await self._call(msg, AllocReply)).nbytes
+
+    async def free(self, buffer_id: str) -> int:
+        return (await self._call(Free(id=1, buffer_id=buffer_id), FreeReply)).nbytes
+
+    async def free_all(self, buffer_ids: Sequence[str]) -> int:
+        return (await self._call(FreeAll(id=1, buffer_ids=list(buffer_ids)), FreeAllReply)).nbytes
+
+    async def write(self, buffer_id: str, offset: int, data: bytes) -> int:
+        msg = Write(id=1, buffer_id=buffer_id, offset=offset, data=memoryview(data))
+        return (await self._call(msg, WriteReply)).nbytes
+
+    async def read(self, buffer_id: str, offset: int, length: int) -> bytes:
+        msg = Read(id=1, buffer_id=buffer_id, offset=offset, length=length)
+        return bytes((await self._call(msg, ReadReply)).data)
+
+    async def run(
+        self, kernel: str, args: Mapping[str, Scalar], buffers: Mapping[str, str]
+    ) -> dict[str, Scalar]:
+        if kernel == "sleep":
+            await trio.sleep(float(args.get("seconds", 0)))
+            return {"seconds": args.get("seconds", 0)}
+        if kernel == "boom":
+            raise RuntimeError("a kernel that should never raise did")
+        if kernel == "crash":
+            self.dead = True
+            raise LaneHostFailed(self.lane_id, "crashed", "the lane host died")
+        msg = Run(id=1, kernel=kernel, args=dict(args), buffers=dict(buffers))
+        return (await self._call(msg, RunReply)).result
+
+
+class InProcessHosts:
+    """The factory a supervisor gets; remembers every host it made, per lane."""
+
+    def __init__(self) -> None:
+        self.made: defaultdict[str, list[InProcessHost]] = defaultdict(list)
+
+    def __call__(self, lane: Lane) -> InProcessHost:
+        host = InProcessHost(lane)
+        self.made[lane.lane_id].append(host)
+        return host
+
+    def current(self, lane_id: str) -> InProcessHost:
+        return self.made[lane_id][-1]
+
+    def used(self, lane_id: str) -> int:
+        return self.current(lane_id).state.used
+
+    def summary(self) -> dict[str, Any]:
+        return {lane: len(hosts) for lane, hosts in self.made.items()}
