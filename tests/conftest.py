@@ -23,3 +23,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def _remove_guest_folders() -> Iterator[None]:
     yield
     remove_guest_dirs()
+
+
+@pytest.fixture
+def in_process_lane_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's lanes get in-process test hosts, whose `sleep` kernel holds a lane."""
+    import node.daemon
+    from tests.lane_doubles import InProcessHosts
+
+    monkeypatch.setattr(node.daemon, "lane_host_factory", lambda *_a, **_k: InProcessHosts())

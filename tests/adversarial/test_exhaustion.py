@@ -203,7 +203,9 @@ async def _lane_flood(node: Node, extra: int) -> tuple[list[httpx.Response], str
     return replies, lane, token
 
 
-async def test_exhaustion_lane_queue_flood_429_lane_busy(tmp_path: pathlib.Path) -> None:
+async def test_exhaustion_lane_queue_flood_429_lane_busy(
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
+) -> None:
     async with running_node(tmp_path) as node:
         replies, lane, _ = await _lane_flood(node, extra=40)
         statuses = sorted({r.status_code for r in replies})
@@ -214,7 +216,9 @@ async def test_exhaustion_lane_queue_flood_429_lane_busy(tmp_path: pathlib.Path)
         assert node.lane_bytes()[lane] == 0
 
 
-async def test_exhaustion_lane_busy_has_retry_after(tmp_path: pathlib.Path) -> None:
+async def test_exhaustion_lane_busy_has_retry_after(
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
+) -> None:
     async with running_node(tmp_path) as node:
         replies, _, _ = await _lane_flood(node, extra=10)
         busy = [r for r in replies if r.status_code == 429]

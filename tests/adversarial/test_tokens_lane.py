@@ -186,7 +186,7 @@ async def test_lane_vram_beyond_budget_refused_cumulatively(tmp_path: pathlib.Pa
         )
         assert over.status_code == 403 and error_code(over) == "vram_over_budget"
         huge = await _work(
-            node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [2**50]}
+            node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [2**25, 2**25]}
         )
         assert huge.status_code == 403 and error_code(huge) == "vram_over_budget"
         assert await node.state() == before

@@ -38,7 +38,7 @@ async def _submit(client: httpx.AsyncClient, node: RunningDaemon, invocation_id:
 
 
 async def test_lane_work_running_longer_than_the_read_timeout_is_answered(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
 ) -> None:
     async with (
         running_daemon(tmp_path, *READ_TIMEOUT) as node,

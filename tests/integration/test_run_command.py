@@ -79,8 +79,9 @@ def test_sigint_cancels_the_invocation(
     assert reply.status_code == 200
     assert reply.json()["state"] == "cancelled"
     assert reply.json()["reason"] == "cancel_requested"
-    # Cancelled means the process is gone: the daemon has no child left.
-    assert psutil.Process(daemon_pid).children(recursive=True) == []
+    # Cancelled means the process is gone: the daemon has no child left but its lane hosts.
+    children = psutil.Process(daemon_pid).children(recursive=True)
+    assert [p for p in children if "lanehost" not in p.cmdline()] == []
 
 
 def test_run_without_a_node_fails_with_one_clear_line(tmp_path: pathlib.Path) -> None:
