@@ -311,13 +311,13 @@ def openapi_document() -> dict[str, Any]:
             "security": _TOKEN,
             "description": (
                 "Read `length` bytes from `offset` of a buffer the token's invocation holds;"
-                f" at most {MAX_TRANSFER_BYTES} (413 beyond)."
+                f" at most {MAX_TRANSFER_BYTES} (400 beyond)."
             ),
             "parameters": [
                 _query("offset", 2**62, False),
                 _query("length", MAX_TRANSFER_BYTES, True),
             ],
-            "responses": _responses(200, octets, (400, 401, 403, 404, 409, 413, 416, 429, 503)),
+            "responses": _responses(200, octets, (400, 401, 403, 404, 409, 416, 429, 503)),
         },
     }
     paths["/v1/lanes/{lane_id}/token"] = {

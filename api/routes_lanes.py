@@ -58,8 +58,7 @@ def _int_arg(name: str, default: int | None, top: int) -> int:
     if not text.isdigit() or len(text) > 19:
         raise ApiError(400, "invalid_request", f"{name} must be an integer", {"field": name})
     if int(text) > top:
-        status = 413 if name == "length" else 400  # a read beyond the transfer bound
-        raise ApiError(status, "too_large", f"{name} must be at most {top}", {"field": name})
+        raise ApiError(400, "invalid_request", f"{name} must be at most {top}", {"field": name})
     return int(text)
 
 
@@ -156,6 +155,8 @@ def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:
 
     @app.get("/v1/lanes/<lane_id>/buffers/<buffer_id>")
     async def download(lane_id: str, buffer_id: str) -> Response:
+        check_identifier(lane_id, LANE_ID, "lane_id")
+        check_identifier(buffer_id, _BUFFER_ID, "buffer_id")
         work = Download(
             buffer_id=buffer_id,
             offset=_int_arg("offset", 0, 2**62),
