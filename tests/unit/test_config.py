@@ -81,11 +81,19 @@ def test_listen_addresses(listen: str, expected: tuple[str, int]) -> None:
         (["--fatal-xids", '["79"]'], "--fatal-xids"),
         (["--node-id", "../etc"], "--node-id"),
         (["--log-format", "xml"], "--log-format"),
+        (["--lane-host-command", '["lanehost"]'], "--lane-host-command"),
+        (["--lane-host-command", '["/usr/bin/x", 3]'], "--lane-host-command"),
     ],
 )
 def test_invalid_values_name_the_flag(argv: list[str], named: str) -> None:
     with pytest.raises(FlagError, match=re.escape(named)):
         config_from(argv)
+
+
+def test_the_lane_host_command_is_the_built_in_one_unless_given() -> None:
+    assert config_from([]).lane_host_command == ()
+    given = config_from(["--lane-host-command", '["/opt/host", "--fast"]'])
+    assert given.lane_host_command == ("/opt/host", "--fast")
 
 
 def test_environment_reaches_config() -> None:
