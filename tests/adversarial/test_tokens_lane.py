@@ -237,7 +237,7 @@ async def test_lane_buffer_theft_on_a_shared_lane_is_404(tmp_path: pathlib.Path)
 async def test_lane_token_replayed_after_invocation_ended_refused(tmp_path: pathlib.Path) -> None:
     async with running_node(tmp_path) as node:
         baseline = await node.state()
-        accepted = await node.submit(gpu_request("short", seconds=0.2))
+        accepted = await node.submit(gpu_request("short", seconds=2))
         lane, token = next(iter(accepted["tokens"].items()))
         assert (
             await _work(
