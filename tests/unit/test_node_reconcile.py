@@ -325,3 +325,28 @@ async def test_a_real_invocation_cgroup_decides_whose_process_it_is(
     finally:
         with trio.CancelScope(shield=True):
             assert await cgroup.remove()
+
+
+async def test_start_ticks_survive_compaction_and_a_restart(tmp_path: Path) -> None:
+    async with group("echo ready; exec sleep 60") as (leader, start):
+        with journal_with(tmp_path, leader.pid, start) as journal:
+            journal.compact()
+        journal, replay = Journal.open(tmp_path)
+        with journal:
+            assert replay.processes[leader.pid].start_ticks == start
+            report = await reconcile(journal, grace=0.5, kill_wait=0.5)
+        assert report.terminated == (leader.pid,)
+        assert await leader.wait() == -signal.SIGTERM
+
+
+async def test_a_record_without_a_start_time_is_spared(tmp_path: Path) -> None:
+    # /proc could not be read at spawn: nothing tells our process from another.
+    async with group("echo ready; exec sleep 60") as (leader, _start):
+        journal, _ = Journal.open(tmp_path)
+        journal.record_reserve(reservation("inv"))
+        journal.record_process_started("inv", leader.pid, None)
+        with journal:
+            report = await reconcile(journal, grace=0.3, kill_wait=0.3)
+        assert leader.poll() is None
+        assert report.spared == (Spared(leader.pid, SpareReason.NO_START_TIME),)
+        assert report.released == ("inv",)
