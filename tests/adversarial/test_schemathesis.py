@@ -39,6 +39,7 @@ from tests.helpers import clean_env
 
 pytestmark = pytest.mark.hostile("api")
 
+
 @schemathesis.check
 def negative_data_refused(ctx: Any, response: Any, case: Any) -> bool | None:
     """Invalid data is refused; a body too large to read (413) is refused before it is
