@@ -22,7 +22,7 @@ from node.machine.devnodes import lane_device_nodes
 from node.machine.inventory import Inventory
 from node.machine.lanes import Isolation, Lane
 from supervisor.identity import UidPool
-from supervisor.process import InvalidProcessRequest
+from supervisor.process import InvalidProcessRequest, ProcessStuck
 from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
 
 __all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session"]
@@ -124,11 +124,15 @@ def guest_session(
         raise GuestsRefused(policy.refusal)
     policy.check_cwd(cwd)
     uid = policy.uids.allocate() if policy.uids is not None else None
+    stuck = False
     try:
         with _token_file(tokens, uid, policy.run_dir) as token_path:
             yield _session(policy, isolation, lanes, inventory, cwd, node_url, uid, token_path)
+    except ProcessStuck:
+        stuck = True  # something still runs under the uid: never hand it to another guest
+        raise
     finally:
-        if uid is not None and policy.uids is not None:
+        if uid is not None and policy.uids is not None and not stuck:
             policy.uids.release(uid)
 
 

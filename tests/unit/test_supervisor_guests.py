@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Any
 
 import pytest
 
 from node.machine.devnodes import lane_device_nodes, read_mig_minors
 from node.machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from node.machine.lanes import build_lanes
+from node.machine.lanes import Isolation, build_lanes
+from supervisor.guests import GuestPolicy, guest_session
 from supervisor.identity import UidPool, UidRangeError, UidsExhausted, parse_uid_range
+from supervisor.process import ProcessStuck
 from supervisor.sandbox import NODE_SOCKET, TOKEN_FILE, SandboxSpec, bwrap_argv
 
 
@@ -152,3 +155,39 @@ def test_mig_minors_are_read_from_the_drivers_list(tmp_path: pathlib.Path) -> No
     assert read_mig_minors(listing) == {"gpu0/gi1": 3, "gpu0/gi1/ci0": 4}
     assert read_mig_minors(tmp_path / "absent") == {}
     assert os.path.exists(listing)
+
+
+# The token file is handed to the guest's uid: only root may do that.
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another uid: root")
+
+
+def _session_of(pool: UidPool, tmp_path: pathlib.Path) -> Any:
+    policy = GuestPolicy(bwrap=None, uids=pool, state_dir=tmp_path / "state", run_dir=tmp_path)
+    inventory = _inventory()
+    return guest_session(
+        policy,
+        isolation=Isolation.SHARED,
+        lanes=[build_lanes(inventory)[0]],
+        tokens=["v4.public.x"],
+        inventory=inventory,
+        cwd=None,
+        node_url="",
+    )
+
+
+@needs_root
+def test_a_guests_uid_returns_to_the_pool_when_it_ends(tmp_path: pathlib.Path) -> None:
+    pool = UidPool(range(300_000, 300_002))
+    with _session_of(pool, tmp_path) as guest:
+        assert guest.uid in pool.in_use
+    assert pool.in_use == frozenset()
+
+
+@needs_root
+def test_the_uid_of_a_process_that_survived_sigkill_is_never_reused(
+    tmp_path: pathlib.Path,
+) -> None:
+    pool = UidPool(range(300_000, 300_002))
+    with pytest.raises(ProcessStuck), _session_of(pool, tmp_path) as guest:
+        raise ProcessStuck(12345)
+    assert pool.in_use == frozenset({guest.uid})
