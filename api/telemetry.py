@@ -6,6 +6,11 @@ ever pending, so a dead scheduler builds no backlog. Each request has its own
 deadline; failures back off exponentially with full jitter, capped, and a
 nudge never bypasses the backoff. The pusher runs in its own task, so a slow
 or dead scheduler never slows the daemon.
+
+With `sign` (the daemon always gives one), every attempt carries a fresh
+signature of the exact body in the `Litegraph-Signature` header (a new nonce
+and window each time; see `capabilities.push_signature` and
+docs/telemetry.md), so the scheduler can tell this node from an impostor.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections.abc import Callable
 
 import httpx
 import trio
+
+from capabilities.push_signature import SIGNATURE_HEADER
 
 __all__ = ["TelemetryPusher"]
 
@@ -30,6 +37,7 @@ class TelemetryPusher:
         snapshot: Callable[[], bytes],
         *,
         node_id: str,
+        sign: Callable[[bytes], str] | None = None,
         request_timeout: float = 5.0,
         max_backoff: float = 60.0,
         rng: random.Random | None = None,
@@ -39,6 +47,7 @@ class TelemetryPusher:
         self.interval = interval
         self._snapshot = snapshot
         self._node_id = node_id
+        self._sign = sign
         self._timeout = request_timeout
         self._max_backoff = max_backoff
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not a secret
@@ -58,13 +67,12 @@ class TelemetryPusher:
 
     async def _push_once(self, client: httpx.AsyncClient) -> bool:
         body = self._snapshot()
+        headers = {"content-type": "application/json", "x-node-id": self._node_id}
+        if self._sign is not None:
+            headers[SIGNATURE_HEADER] = self._sign(body)
         try:
             with trio.fail_after(self._timeout):
-                reply = await client.post(
-                    self.url,
-                    content=body,
-                    headers={"content-type": "application/json", "x-node-id": self._node_id},
-                )
+                reply = await client.post(self.url, content=body, headers=headers)
             if reply.status_code >= 300:
                 raise httpx.HTTPStatusError("push refused", request=reply.request, response=reply)
         except (trio.TooSlowError, httpx.HTTPError) as exc:

@@ -29,6 +29,7 @@ from api.snapshot_cache import SnapshotCache
 from api.telemetry import TelemetryPusher
 from api.unix_server import serve_unix
 from capabilities import CapabilityError, KeyRing, TokenService
+from capabilities.push_signature import PushSigner
 from capabilities.securefile import SecretFileError
 from node.config import Config, DeviceMode
 from node.guests import GuestSetup, GuestSetupError, open_guest_setup
@@ -268,6 +269,7 @@ class Daemon:
                 config.telemetry_interval,
                 snapshots.encoded,
                 node_id=machine.node_id,
+                sign=PushSigner(keyring, machine.node_id, config.scheduler_url).sign,
             )
             await nursery.start(self.telemetry.run)
 

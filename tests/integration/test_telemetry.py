@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import pathlib
 import random
@@ -27,6 +26,7 @@ from tests.api_fixtures import (
     get_snapshot,
     running_daemon,
 )
+from tests.scheduler_double import read_request, serve_loopback
 
 
 @dataclasses.dataclass
@@ -58,27 +58,10 @@ class Collector:
     async def handle(self, stream: trio.SocketStream) -> None:
         buffer = b""
         async with stream:
-            while True:
-                while b"\r\n\r\n" not in buffer:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buffer += data
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
+            while (request := await read_request(stream, buffer)) is not None:
+                headers, body, buffer = request
                 if self.blackhole:
                     await trio.sleep_forever()
-                lines = head.decode().split("\r\n")
-                headers = {
-                    k.strip().lower(): v.strip()
-                    for k, _, v in (h.partition(":") for h in lines[1:])
-                }
-                length = int(headers.get("content-length", "0"))
-                while len(buffer) < length:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buffer += data
-                body, buffer = buffer[:length], buffer[length:]
                 self.pushes.append(
                     Push(
                         at=trio.current_time(),
@@ -96,11 +79,7 @@ class Collector:
 async def collector(*, blackhole: bool = False) -> AsyncIterator[Collector]:
     state = Collector(blackhole=blackhole)
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, state.handle, 0, host="127.0.0.1")
-        )
-        port = listeners[0].socket.getsockname()[1]
-        state.url = f"http://127.0.0.1:{port}/v1/telemetry"
+        state.url = await serve_loopback(nursery, state.handle)
         yield state
         nursery.cancel_scope.cancel()
 
