@@ -21,11 +21,13 @@ from supervisor.lane_work import (
     LaneWorkRequest,
     TokenReply,
 )
+from supervisor.listing import CURSOR_PATTERN, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from supervisor.wire import (
     BatchReply,
     BatchRequest,
     InvocationList,
     InvocationRequest,
+    InvocationState,
     InvocationStatus,
     NodeEvent,
     SubmitResponse,
@@ -69,6 +71,40 @@ def _responses(ok: int, body: dict[str, Any] | None, errors: tuple[int, ...]) ->
         if status == 429:
             out[str(status)]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
     return out
+
+
+def _list_parameters() -> list[dict[str, Any]]:
+    states = [s.value for s in InvocationState]
+    return [
+        {
+            "name": "state",
+            "in": "query",
+            "required": False,
+            "description": "Only invocations in these states; repeat it for several.",
+            "style": "form",
+            "explode": True,
+            "schema": {"type": "array", "items": {"type": "string", "enum": states}},
+        },
+        {
+            "name": "limit",
+            "in": "query",
+            "required": False,
+            "description": f"Most invocations on the page (default {DEFAULT_LIST_LIMIT}).",
+            "schema": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_LIST_LIMIT,
+                "default": DEFAULT_LIST_LIMIT,
+            },
+        },
+        {
+            "name": "cursor",
+            "in": "query",
+            "required": False,
+            "description": "The `next_cursor` of the previous page, as it was (opaque).",
+            "schema": {"type": "string", "pattern": CURSOR_PATTERN},
+        },
+    ]
 
 
 def openapi_document() -> dict[str, Any]:
@@ -218,7 +254,16 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "operationId": "list_invocations",
                 "security": _OPERATOR,
-                "responses": _responses(200, json_of["list"], auth),
+                "description": (
+                    "Invocations this node answers `GET /v1/invocations/{id}` for, newest"
+                    " first (by submission time, then id). Pass `next_cursor` back as"
+                    " `cursor` for the next page: a page starts right after the last item"
+                    " of the one before, so paging never repeats nor skips an invocation,"
+                    " however many are submitted meanwhile. A bad `state`, `limit` or"
+                    " `cursor` (or an unknown parameter) is 400 with a typed code."
+                ),
+                "parameters": _list_parameters(),
+                "responses": _responses(200, json_of["list"], (400, *auth)),
             },
         },
         "/v1/invocations:batch": {

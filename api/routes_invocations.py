@@ -4,9 +4,11 @@ to run work on this node."""
 from __future__ import annotations
 
 import math
+import re
 
+import msgspec
 import trio
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 
 from api.context import NodeContext
@@ -21,18 +23,67 @@ from api.http import (
 from api.responses import json_response
 from supervisor.admission import AdmissionRefused
 from supervisor.core import Supervisor, UnknownInvocation
+from supervisor.listing import MAX_LIST_LIMIT, InvalidCursor, ListQuery, decode_cursor
 from supervisor.wire import (
     INVOCATION_ID,
     BatchItem,
     BatchItemError,
     BatchReply,
     BatchRequest,
-    InvocationList,
     InvocationRequest,
+    InvocationState,
     SubmitResponse,
 )
 
 __all__ = ["register_invocation_routes"]
+
+LIST_PARAMETERS = frozenset({"state", "limit", "cursor"})
+_LIMIT = re.compile(r"[0-9]{1,4}")
+
+
+def _one(name: str) -> str | None:
+    values = request.args.getlist(name)
+    if len(values) > 1:
+        raise ApiError(400, f"invalid_{name}", f"give {name} at most once", {"field": name})
+    return values[0] if values else None
+
+
+def list_query() -> ListQuery:
+    """The list's query string, checked: any bad value is a typed 400, nothing is guessed."""
+    unknown = sorted(set(request.args) - LIST_PARAMETERS)
+    if unknown:
+        raise ApiError(
+            400,
+            "unknown_parameter",
+            f"unknown query parameter {unknown[0]!r}",
+            {"field": unknown[0], "allowed": sorted(LIST_PARAMETERS)},
+        )
+    states: set[InvocationState] = set()
+    for value in request.args.getlist("state"):
+        try:
+            states.add(InvocationState(value))
+        except ValueError:
+            raise ApiError(
+                400,
+                "invalid_state",
+                f"{value!r} is not an invocation state",
+                {"field": "state", "allowed": [s.value for s in InvocationState]},
+            ) from None
+    limit = _one("limit")
+    if limit is not None and not (_LIMIT.fullmatch(limit) and 1 <= int(limit) <= MAX_LIST_LIMIT):
+        raise ApiError(
+            400,
+            "invalid_limit",
+            f"limit is a whole number from 1 to {MAX_LIST_LIMIT}",
+            {"field": "limit", "max": MAX_LIST_LIMIT},
+        )
+    cursor = _one("cursor")
+    try:
+        after = None if cursor is None else decode_cursor(cursor)
+    except InvalidCursor as exc:
+        raise ApiError(400, "invalid_cursor", str(exc), {"field": "cursor"}) from None
+    query = ListQuery(states=frozenset(states) or None, after=after)
+    return query if limit is None else msgspec.structs.replace(query, limit=int(limit))
 
 
 async def _submit_one(
@@ -106,7 +157,8 @@ def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
     @app.get("/v1/invocations")
     async def list_invocations() -> Response:
         require_role(ctx, ANY_OPERATOR)
-        return json_response(InvocationList(invocations=ready_supervisor(ctx).list()))
+        query = list_query()
+        return json_response(ready_supervisor(ctx).list_page(query))
 
     # `path:` so that an id with an (encoded) slash is refused as an identifier (400),
     # not passed over by the router.

@@ -41,6 +41,7 @@ from supervisor.invocation import Invocation, utc_now
 from supervisor.lane_owner import LaneOwner, LaneWorkError
 from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
 from supervisor.lifecycle import TERMINAL, Ending, next_state
+from supervisor.listing import Listed, ListQuery, page
 from supervisor.process import ProcessStuck
 from supervisor.remembered import (
     ended_record,
@@ -52,6 +53,7 @@ from supervisor.remembered import (
 from supervisor.runner import RunEnv, run_work
 from supervisor.wire import (
     EventKind,
+    InvocationList,
     InvocationRequest,
     InvocationState,
     InvocationStatus,
@@ -182,6 +184,16 @@ class Supervisor:
 
     def list(self) -> list[InvocationStatus]:
         return [inv.status() for inv in (*self._live.values(), *self._ended.values())]
+
+    def list_page(self, query: ListQuery) -> InvocationList:
+        """One page of the invocations `get` answers for, newest first (see listing.py)."""
+        return page(
+            (
+                Listed((inv.submitted_at, inv.id), inv.state, inv.status)
+                for inv in (*self._live.values(), *self._ended.values())
+            ),
+            query,
+        )
 
     def counts(self) -> dict[InvocationState, int]:
         counts = dict.fromkeys(InvocationState, 0)

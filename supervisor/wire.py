@@ -16,6 +16,7 @@ from node.machine.lanes import Isolation, Requirement
 
 __all__ = [
     "INVOCATION_ID",
+    "INVOCATION_ID_PATTERN",
     "MAX_BATCH",
     "MAX_WAIT_S",
     "BatchItem",
@@ -203,7 +204,11 @@ class WaitReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class InvocationList(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One page of invocations, newest first; `next_cursor` fetches the next page
+    (null on the last one)."""
+
     invocations: list[InvocationStatus]
+    next_cursor: str | None = None
 
 
 class EventKind(StrEnum):

@@ -134,7 +134,7 @@ async def test_bad_bodies_are_refused_with_honest_statuses(tmp_path: pathlib.Pat
             reply = await client.post("/v1/invocations", content=content, headers=headers)
             assert (reply.status_code, error_code(reply)) == (status, code), content[:60]
         listed = await client.get("/v1/invocations", headers=bearer(node.scheduler))
-        assert listed.json() == {"invocations": []}
+        assert listed.json() == {"invocations": [], "next_cursor": None}
 
 
 async def test_get_unknown_and_bad_identifiers(tmp_path: pathlib.Path) -> None:
