@@ -365,6 +365,39 @@ def openapi_document() -> dict[str, Any]:
             "responses": _responses(200, octets, (400, 401, 403, 404, 409, 416, 429, 503)),
         },
     }
+    paths["/v1/invocations/{invocation_id}/logs"] = {
+        "parameters": [inv_id],
+        "get": {
+            "operationId": "invocation_logs",
+            "security": _OPERATOR,
+            "description": (
+                "The bytes of one stream of the invocation's output as kept on disk, from"
+                " `offset`. Without `follow` the body ends at what is written so far; with"
+                " `follow=1` it stays open and carries each byte as it is written, and ends"
+                " once the invocation's output is complete and every byte was sent. Kept"
+                " after the end (and across restarts) for `--logs-retention` seconds, within"
+                " `--logs-max-bytes` per invocation and `--logs-total-bytes` in all; the"
+                " status's `logs_cut` says why bytes are missing. 404 `logs_unavailable`:"
+                " the invocation is known but its logs are not kept."
+            ),
+            "parameters": [
+                {
+                    "name": "stream",
+                    "in": "query",
+                    "required": False,
+                    "schema": {"type": "string", "enum": ["stdout", "stderr"]},
+                },
+                _query("offset", 2**62, False),
+                {
+                    "name": "follow",
+                    "in": "query",
+                    "required": False,
+                    "schema": {"type": "integer", "enum": [0, 1]},
+                },
+            ],
+            "responses": _responses(200, octets, (400, *auth, 404, 429)),
+        },
+    }
     paths["/v1/lanes/{lane_id}/token"] = {
         "parameters": [lane_id],
         "post": {

@@ -3,8 +3,10 @@ to run work on this node."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import AsyncIterator
 
 import msgspec
 import trio
@@ -24,6 +26,8 @@ from api.responses import json_response
 from supervisor.admission import AdmissionRefused
 from supervisor.core import Supervisor, UnknownInvocation
 from supervisor.listing import MAX_LIST_LIMIT, InvalidCursor, ListQuery, decode_cursor
+from supervisor.logread import read_log
+from supervisor.logstore import STREAMS, InvocationLogs
 from supervisor.wire import (
     INVOCATION_ID,
     BatchItem,
@@ -35,7 +39,11 @@ from supervisor.wire import (
     SubmitResponse,
 )
 
-__all__ = ["register_invocation_routes"]
+__all__ = ["MAX_LOG_READERS", "register_invocation_routes"]
+
+# Log streams open at once (each holds a file and a connection).
+MAX_LOG_READERS = 256
+_MAX_OFFSET = 2**62
 
 LIST_PARAMETERS = frozenset({"state", "limit", "cursor"})
 _LIMIT = re.compile(r"[0-9]{1,4}")
@@ -127,6 +135,55 @@ async def _batch_item(
     return BatchItem(id=invocation.id, status=202, accepted=accepted)
 
 
+def _log_query() -> tuple[str, int, bool]:
+    """(stream, offset, follow) from the query; 400 `invalid_query` for anything else."""
+    stream = request.args.get("stream", "stdout")
+    offset_text = request.args.get("offset", "0")
+    follow_text = request.args.get("follow", "0")
+    if stream not in STREAMS:
+        raise ApiError(400, "invalid_query", "stream: stdout or stderr")
+    if not offset_text.isdigit() or int(offset_text) > _MAX_OFFSET:
+        raise ApiError(400, "invalid_query", f"offset: a byte offset from 0 to {_MAX_OFFSET}")
+    if follow_text not in ("0", "1"):
+        raise ApiError(400, "invalid_query", "follow: 0 or 1")
+    return stream, int(offset_text), follow_text == "1"
+
+
+def _find_logs(sup: Supervisor, invocation_id: str) -> InvocationLogs:
+    logs = sup.logs.find(invocation_id) if sup.logs is not None else None
+    if logs is not None:
+        return logs
+    try:
+        sup.get(invocation_id)
+    except UnknownInvocation:
+        raise ApiError(404, "unknown_invocation", "no such invocation") from None
+    raise ApiError(404, "logs_unavailable", "its logs were not kept or are removed")
+
+
+def _log_response(sup: Supervisor, logs: InvocationLogs, query: tuple[str, int, bool]) -> Response:
+    store = sup.logs
+    assert store is not None
+    if store.readers >= MAX_LOG_READERS:
+        raise ApiError(
+            429, "too_many_readers", "too many log streams are open", headers={"Retry-After": "5"}
+        )
+    stream, offset, follow = query
+
+    async def body() -> AsyncIterator[bytes]:
+        store.readers += 1  # counted only once it runs: a body never sent never leaks it
+        try:
+            async with contextlib.aclosing(read_log(logs, stream, offset, follow=follow)) as data:
+                async for chunk in data:
+                    yield chunk
+        finally:
+            store.readers -= 1
+
+    response = Response(body(), content_type="application/octet-stream")
+    response.headers["Cache-Control"] = "no-store"
+    response.timeout = None  # a follower lives as long as the invocation's output
+    return response
+
+
 def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
     @app.post("/v1/invocations")
     async def submit() -> Response:
@@ -170,6 +227,15 @@ def register_invocation_routes(app: QuartTrio, ctx: NodeContext) -> None:
             return json_response(ready_supervisor(ctx).get(invocation_id))
         except UnknownInvocation:
             raise ApiError(404, "unknown_invocation", "no such invocation") from None
+
+    # Every byte of one stream, from `offset`; with follow=1, live until the last byte.
+    @app.get("/v1/invocations/<invocation_id>/logs")
+    async def invocation_logs(invocation_id: str) -> Response:
+        require_role(ctx, ANY_OPERATOR)
+        check_identifier(invocation_id, INVOCATION_ID, "invocation_id")
+        query = _log_query()
+        sup = ready_supervisor(ctx)
+        return _log_response(sup, _find_logs(sup, invocation_id), query)
 
     @app.delete("/v1/invocations/<path:invocation_id>")
     async def cancel_invocation(invocation_id: str) -> Response:

@@ -91,6 +91,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guest_uids: str
     guest_run_dir: str
     guest_pids_max: int
+    logs_max_bytes: int
+    logs_total_bytes: int
+    logs_retention: float
     dev_root: str
     lane_host_command: tuple[str, ...]
     log_level: LogLevel
@@ -224,6 +227,9 @@ _CHECKS: dict[str, Any] = {
     "guest_uids": _uid_range,
     "guest_run_dir": _absolute_or_empty,
     "guest_pids_max": lambda v: int(_positive(v)),
+    "logs_max_bytes": lambda v: _non_negative(parse_size(v)),
+    "logs_total_bytes": lambda v: _non_negative(parse_size(v)),
+    "logs_retention": _positive,
     "dev_root": _absolute,
     "lane_host_command": _command,
     "log_level": LogLevel,

@@ -45,6 +45,7 @@ from node.statedir import StateDirError, prepare_state_dir
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_host import lane_host_factory
+from supervisor.logstore import LogLimits, LogStore, LogStoreError
 from supervisor.wire import InvocationState, NodeEvent
 
 __all__ = ["Daemon", "StartupError", "http_settings", "startup_error_in"]
@@ -221,6 +222,8 @@ class Daemon:
             else:
                 self.readiness.note("devices", reason)
         guests = await self._open_guests(state_dir)
+        logs = await self._open_logs(state_dir)
+        nursery.start_soon(logs.run)
         notes = tuple(guests.notes)
         snapshots = SnapshotCache(lambda changes: machine.snapshot(sequence=changes, notes=notes))
         events: EventHub[NodeEvent] = EventHub(EVENT_SUBSCRIBERS, EVENT_BUFFER)
@@ -244,6 +247,7 @@ class Daemon:
             node_url=self.url,
             on_change=snapshots.mark_changed,
             guests=guests.policy,
+            logs=logs,
         )
         await nursery.start(supervisor.run)
         if guests.socket is not None:
@@ -285,6 +289,18 @@ class Daemon:
         if guests.blocked is not None:
             self.readiness.block("guests", guests.blocked)
         return guests
+
+    async def _open_logs(self, state_dir: pathlib.Path) -> LogStore:
+        config = self.config
+        limits = LogLimits(
+            invocation_bytes=config.logs_max_bytes,
+            total_bytes=config.logs_total_bytes,
+            retention_s=config.logs_retention,
+        )
+        try:
+            return await LogStore.open(state_dir / "logs", limits)
+        except (OSError, LogStoreError) as exc:
+            raise StartupError(str(exc)) from exc
 
     async def _open_machine(self, state_dir: pathlib.Path) -> Machine:
         config = self.config

@@ -42,6 +42,7 @@ from supervisor.lane_owner import LaneOwner, LaneWorkError
 from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
 from supervisor.lifecycle import TERMINAL, Ending, next_state
 from supervisor.listing import Listed, ListQuery, page
+from supervisor.logstore import LogStore
 from supervisor.process import ProcessStuck
 from supervisor.remembered import (
     ended_record,
@@ -92,8 +93,11 @@ class Supervisor:
         retain_ended: int = 1024,
         on_change: Callable[[], None] = lambda: None,
         guests: GuestPolicy | None = None,
+        logs: LogStore | None = None,
     ) -> None:
         self.machine = machine
+        # Every invocation's stdout and stderr on disk; None keeps only the status's tail.
+        self.logs = logs
         # Tests of the supervisor's own logic run guests unconfined; the daemon confines.
         self.guests = guests or GuestPolicy.unconfined(machine.journal.path.parent)
         self.tokens = tokens
@@ -253,6 +257,8 @@ class Supervisor:
             # A fault reached the lane while the grant was being journaled, before
             # on_health/_lane_faulted could see the reservation: it must not run there.
             self._cancel(inv, "lane_unhealthy")
+        if self.logs is not None:
+            inv.logs = self.logs.begin(inv.id)  # followers may ask for its logs from now on
         self._nursery.start_soon(self._actor, inv)
         self._announce(inv)
         return inv.submit_response()
@@ -386,6 +392,8 @@ class Supervisor:
         ending: Ending | None = None
         try:
             with inv.scope:
+                if inv.logs is not None:
+                    await inv.logs.create()
                 async with self._slots:
                     inv.advance(Ending.start)
                     self._announce(inv)
@@ -405,6 +413,8 @@ class Supervisor:
                 inv.reason = inv.cancel_reason or "deadline_exceeded"
             ended_at = utc_now()
             with trio.move_on_after(self.cleanup_deadline, shield=True) as cleanup:
+                if inv.logs is not None:
+                    await inv.logs.close()  # complete: its followers end, its cut is final
                 # The outcome is journaled beside the release, so the two records share
                 # one group commit (one fsync) instead of waiting for one each.
                 async with trio.open_nursery() as nursery:

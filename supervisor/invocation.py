@@ -10,6 +10,7 @@ from node.machine.cgroups import CgroupUsage
 from node.machine.ledger import Reservation
 from node.machine.snapshot import rfc3339
 from supervisor.lifecycle import Ending, next_state
+from supervisor.logstore import InvocationLogs
 from supervisor.output import OutputRing
 from supervisor.wire import (
     GrantedLane,
@@ -53,6 +54,7 @@ class Invocation:
         self.ended_at: str | None = None
         self.stdout = OutputRing(OUTPUT_BYTES)
         self.stderr = OutputRing(OUTPUT_BYTES)
+        self.logs: InvocationLogs | None = None  # its files on disk, when the node keeps them
         self.admitted = trio.Event()  # set once admission succeeded or failed
         self.finished = trio.Event()  # set once released and terminal
 
@@ -108,6 +110,7 @@ class Invocation:
             stderr_tail=self.stderr.text()[-TAIL_CHARS:],
             stdout_bytes=self.stdout.total_bytes,
             stderr_bytes=self.stderr.total_bytes,
+            logs_cut=self.logs.cut if self.logs is not None else None,
             usage=self.usage,
             uid=self.uid,
         )

@@ -7,14 +7,17 @@ caller can say honestly that output was cut.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
-__all__ = ["READ_CHUNK_BYTES", "OutputRing", "pump"]
+__all__ = ["READ_CHUNK_BYTES", "OutputRing", "Sink", "pump"]
 
-# One read from the pipe; also the largest chunk handed to `on_chunk`.
+# One read from the pipe; also the largest chunk handed to a sink.
 READ_CHUNK_BYTES = 64 * 1024
+# Where every chunk goes besides the ring (the invocation's log file); awaited, so a
+# slow sink slows the reads and the child waits on its full pipe.
+Sink = Callable[[bytes], Awaitable[None]]
 
 
 class OutputRing:
@@ -72,9 +75,9 @@ class OutputRing:
 async def pump(
     stream: trio.abc.ReceiveStream,
     ring: OutputRing,
-    on_chunk: Callable[[bytes], None] | None = None,
+    sink: Sink | None = None,
 ) -> None:
-    """Copy `stream` into `ring` until EOF; `on_chunk` sees every chunk as it comes.
+    """Copy `stream` into `ring` (and `sink`) until EOF.
 
     No deadline here on purpose: the caller owns the stream's lifetime (it ends
     the child, which closes the pipe) and cancels the pump if that fails.
@@ -85,5 +88,5 @@ async def pump(
             return
         chunk = bytes(received)  # no copy when it is bytes already
         ring.write(chunk)
-        if on_chunk is not None:
-            on_chunk(chunk)
+        if sink is not None:
+            await sink(chunk)

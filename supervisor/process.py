@@ -38,7 +38,7 @@ from node.machine.cgroups import (
 from node.machine.proc import process_start_ticks
 from node.machine.procgroup import terminate_group
 from supervisor.identity import become
-from supervisor.output import OutputRing, pump
+from supervisor.output import OutputRing, Sink, pump
 from supervisor.sandbox import SandboxSpec, bwrap_argv
 from supervisor.spawn import Child, spawn
 
@@ -119,6 +119,9 @@ RESERVED_ENV_PREFIXES = (
     "HSA_",
 )
 DEVICE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+# Set for every guest unless its request sets them (so these few are not reserved):
+# Python writes each line as it is printed, so followers of the logs see it live.
+GUEST_DEFAULT_ENV = {"PYTHONUNBUFFERED": "1"}
 
 MAX_ENV_ENTRIES = 64
 MAX_ENV_ITEM_BYTES = 4096
@@ -199,6 +202,8 @@ def _check_text(field_name: str, value: object, limit: int) -> str:
 
 def is_reserved_env_name(name: str) -> bool:
     upper = name.upper()
+    if name in GUEST_DEFAULT_ENV:
+        return False
     return upper in RESERVED_ENV_NAMES or upper.startswith(RESERVED_ENV_PREFIXES)
 
 
@@ -261,8 +266,10 @@ def validate_spec(spec: ProcessSpec) -> None:
 
 
 def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[str, str]:
-    """Allow-listed daemon variables < the invocation's env < supervisor variables."""
+    """Allow-listed daemon variables < guest defaults < the invocation's env <
+    supervisor variables."""
     env = {name: parent_env[name] for name in ENV_ALLOW_LIST if name in parent_env}
+    env.update(GUEST_DEFAULT_ENV)
     env.update(spec.env)
     env.update(spec.extra_env)
     # Last, so nothing above can widen the device set; "" hides every GPU.
@@ -395,6 +402,7 @@ async def run_process(
     cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
     parent_env: Mapping[str, str] | None = None,
     on_usage: Callable[[CgroupUsage], None] | None = None,
+    sinks: tuple[Sink, Sink] | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
@@ -402,7 +410,8 @@ async def run_process(
     argv runs (the child waits for it); (pid, start_ticks) identifies the
     process even after pid reuse. If it raises, the child is killed without
     ever running the argv. `cgroups=None` never uses cgroups; `parent_env`
-    defaults to os.environ. `on_usage` gets the cgroup's own counters (CPU time,
+    defaults to os.environ. `sinks` (stdout's, stderr's) see every chunk of output
+    as it comes (the invocation's log files). `on_usage` gets the cgroup's own counters (CPU time,
     peak memory, OOM kills, refused forks) once everything in it has ended.
     """
     validate_spec(spec)
@@ -468,8 +477,9 @@ async def run_process(
         finally:
             os.close(gate_write)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, proc.stdout, stdout)
-            nursery.start_soon(pump, proc.stderr, stderr)
+            out_sink, err_sink = sinks or (None, None)
+            nursery.start_soon(pump, proc.stdout, stdout, out_sink)
+            nursery.start_soon(pump, proc.stderr, stderr, err_sink)
             oom_watch = trio.CancelScope()
             if cgroup is not None and cgroup.version == "v1":
                 # v1's OOM killer ends one process; an invocation ends whole (v2: oom.group).

@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import trio
+
 from node.machine import Machine
 from node.machine.lanes import LaneKind
 from supervisor.builtins import BUILTINS
 from supervisor.guests import GuestPolicy, GuestSession, guest_session
 from supervisor.invocation import Invocation
+from supervisor.logstore import InvocationLogs
+from supervisor.output import Sink
 from supervisor.process import ProcessSpec, run_process
 from supervisor.wire import BuiltinWork, ProcessWork
 
@@ -52,8 +56,14 @@ def process_spec(inv: Invocation, work: ProcessWork, guest: GuestSession) -> Pro
 
 async def run_work(sup: RunEnv, inv: Invocation) -> int:
     work = inv.request.work
+    logs = inv.logs
     if isinstance(work, BuiltinWork):
-        return await BUILTINS[work.name](work.args, inv.stdout)
+        try:
+            return await BUILTINS[work.name](work.args, inv.stdout)
+        finally:
+            if logs is not None:  # a builtin's output is small: it fits in the ring
+                with trio.CancelScope(shield=True):
+                    await logs.write("stdout", inv.stdout.getvalue())
     assert isinstance(work, ProcessWork)
     reservation = inv.reservation
     assert reservation is not None
@@ -84,4 +94,12 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
             kill_grace=sup.kill_grace,
             cgroups=sup.guests.cgroups,
             on_usage=inv.record_usage,
+            sinks=None if logs is None else (_sink(logs, "stdout"), _sink(logs, "stderr")),
         )
+
+
+def _sink(logs: InvocationLogs, stream: str) -> Sink:
+    async def write(data: bytes) -> None:
+        await logs.write(stream, data)
+
+    return write

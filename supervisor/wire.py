@@ -131,6 +131,8 @@ class InvocationStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # Bytes written so far: a follower prints only what is new since its last read.
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    # Why its log files (GET .../logs) lack some of those bytes: a bound, or the disk.
+    logs_cut: str | None = None
     # Process work run in a cgroup: known once the invocation's processes are gone.
     usage: Usage | None = None
     # The uid it ran as (its own, from --guest-uids); None for builtins or without a switch.

@@ -27,7 +27,8 @@ from tests.confinement.guests import (
 READ_SECRETS = """
 import os, sys
 state = sys.argv[1]
-for path in (state + "/auth.json", state + "/reservations.journal", state + "/keys"):
+for path in (state + "/auth.json", state + "/reservations.journal", state + "/keys",
+             state + "/logs"):
     try:
         if os.path.isdir(path):
             print("LISTED", path, os.listdir(path))
@@ -65,7 +66,7 @@ async def test_a_guest_cannot_read_the_auth_file_keys_or_journal(
         assert found["state"] == "succeeded", found
         out = found["stdout_tail"]
         assert "READ" not in out and "LISTED" not in out, out
-        assert out.count("DENIED") == 3, out
+        assert out.count("DENIED") == 4, out
 
 
 async def test_a_guest_run_from_a_folder_above_the_state_dir_sees_it_empty(

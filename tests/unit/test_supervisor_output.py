@@ -60,8 +60,12 @@ async def test_pump_reads_until_eof_and_reports_chunks() -> None:
     send, receive = trio.testing.memory_stream_one_way_pair()
     ring = OutputRing(5)
     seen: list[bytes] = []
+
+    async def sink(chunk: bytes) -> None:
+        seen.append(chunk)
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(pump, receive, ring, seen.append)
+        nursery.start_soon(pump, receive, ring, sink)
         await send.send_all(b"hello ")
         await send.send_all(b"world")
         await send.aclose()

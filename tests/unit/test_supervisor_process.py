@@ -210,10 +210,20 @@ def test_build_environment_never_lets_the_invocation_override_supervisor_variabl
     env = build_environment(process_spec, {"TERM": "xterm", "AWS_SECRET_ACCESS_KEY": "k"})
     assert env == {
         "TERM": "xterm",
+        "PYTHONUNBUFFERED": "1",
         "LITEGRAPH_CAPABILITY_TOKEN": "v4.public.real",
         "CUDA_VISIBLE_DEVICES": "GPU-a",
         "NVIDIA_VISIBLE_DEVICES": "GPU-a",
     }
+
+
+def test_guests_run_python_unbuffered_unless_the_request_says_otherwise() -> None:
+    assert build_environment(ProcessSpec(argv=("x",)), {})["PYTHONUNBUFFERED"] == "1"
+    own = ProcessSpec(argv=("x",), env={"PYTHONUNBUFFERED": ""})
+    validate_env(own.env)  # the one PYTHON* name a request may set
+    assert build_environment(own, {})["PYTHONUNBUFFERED"] == ""
+    with pytest.raises(InvalidProcessRequest):
+        validate_env({"PYTHONSTARTUP": "/tmp/x.py"})
 
 
 async def test_run_process_refuses_a_reserved_variable_before_spawning() -> None:

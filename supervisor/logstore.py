@@ -1,0 +1,285 @@
+"""Invocation logs on disk: every byte of each invocation's stdout and stderr, bounded.
+
+Each invocation gets `<folder>/<id>.stdout` and `<id>.stderr` (mode 0600 in a 0700
+folder of the state folder, which the sandbox masks from every guest). Bounds: at
+most `invocation_bytes` per invocation (both streams; later bytes are cut and only
+the status's tail shows them), `total_bytes` over every log (the logs of the
+invocations that ended first are evicted, never a live one's; when live logs alone
+fill it, new bytes are cut), at most MAX_KEPT ended invocations, and each is removed
+`retention_s` seconds after its end. Writes run in worker threads of their own
+limiter, each under a deadline: a full, failing or stuck disk cuts that
+invocation's logs and its status says so (`logs_cut`); the invocation itself runs
+and ends as it would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import stat
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+import trio
+
+from supervisor.wire import INVOCATION_ID
+
+__all__ = ["STREAMS", "InvocationLogs", "LogLimits", "LogStore", "LogStoreError"]
+
+log = logging.getLogger(__name__)
+
+STREAMS = ("stdout", "stderr")
+# Ended invocations whose logs are kept, whatever their size (the index stays bounded).
+MAX_KEPT = 4096
+# One write (or create, or removal) of log files; past it the logs are cut.
+WRITE_SECONDS = 10.0
+# How often logs past their retention are looked for.
+SWEEP_SECONDS = 60.0
+# Log writes never take the threads the journal and the rest of the node use.
+WRITER_THREADS = 4
+
+
+class LogStoreError(Exception):
+    """The logs folder is unsafe or unreadable (start-up stops)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLimits:
+    invocation_bytes: int  # stdout + stderr of one invocation
+    total_bytes: int  # every log on disk
+    retention_s: float  # after the invocation's end
+
+
+class InvocationLogs:
+    """One invocation's two log files: written while it runs, read by followers."""
+
+    def __init__(self, store: LogStore, invocation_id: str) -> None:
+        self.id = invocation_id
+        self._store = store
+        self.bytes = 0  # counted against the bounds (both files)
+        self.cut: str | None = None  # why some bytes were not kept
+        self.created = False  # the files exist (readers wait until then)
+        self.closed = False  # no byte will be added any more
+        self.ended_at: float | None = None  # wall clock
+        self._changed = trio.Event()
+
+    def path(self, stream: str) -> Path:
+        return self._store.folder / f"{self.id}.{stream}"
+
+    @property
+    def changed(self) -> trio.Event:
+        """Set at the next write, creation or close (take it before reading)."""
+        return self._changed
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _cut_at(self, reason: str) -> None:
+        if self.cut is None:
+            self.cut = reason
+            log.warning("logs of %s cut: %s", self.id, reason)
+
+    async def create(self) -> None:
+        """Create both (empty) files; a failure cuts the logs, never the invocation."""
+        try:
+            await self._store.in_thread(_create, [self.path(s) for s in STREAMS])
+            self.created = True
+        except (OSError, trio.TooSlowError) as exc:
+            self._cut_at(_failure("create_failed", exc))
+        self._notify()
+
+    async def write(self, stream: str, data: bytes) -> None:
+        """Append `data` to `stream`'s file, within the bounds; never raises for the disk."""
+        if not data or self.closed or not self.created or self.cut is not None:
+            return
+        allowed, victims, reason = self._store.make_room(self, len(data))
+        if reason is not None:
+            self._cut_at(reason)
+        if not allowed and not victims:
+            return
+        try:
+            await self._store.in_thread(_append, self.path(stream), data[:allowed], victims)
+        except (OSError, trio.TooSlowError) as exc:
+            self._cut_at(_failure("write_failed", exc))
+        self._notify()
+
+    async def close(self) -> None:
+        """No more bytes: followers end once they have read everything."""
+        if self.closed:
+            return
+        self.closed = True
+        self.ended_at = time.time()
+        victims = self._store.ended(self)
+        self._notify()
+        await self._store.remove(victims)
+
+
+def _failure(what: str, exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return f"{what}: the disk did not answer within {WRITE_SECONDS:g}s"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"{what}: disk full"
+    return f"{what}: {exc}"[:200]
+
+
+def _create(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        os.close(fd)
+
+
+def _append(path: Path, data: bytes, victims: list[Path]) -> None:
+    _unlink(victims)
+    if not data:
+        return
+    # No O_CREAT: a file removed under us is not made again.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _unlink(paths: Iterable[Path]) -> None:
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:  # logged, and the bound is still counted as freed
+            log.error("cannot remove log %s: %s", path, exc)
+
+
+class LogStore:
+    """Every invocation's logs: the live ones and the kept ended ones, with the bounds."""
+
+    def __init__(self, folder: Path, limits: LogLimits) -> None:
+        self.folder = folder
+        self.limits = limits
+        self.total = 0
+        self._live: dict[str, InvocationLogs] = {}
+        self._ended: OrderedDict[str, InvocationLogs] = OrderedDict()  # oldest end first
+        self._limiter = trio.CapacityLimiter(WRITER_THREADS)
+        self.readers = 0  # open log streams (the edge bounds them)
+
+    @classmethod
+    async def open(cls, folder: Path, limits: LogLimits) -> LogStore:
+        """Create the folder (0700) or check it is ours and private; index what it holds
+        (from a previous run: ended) and apply the bounds at once."""
+        store = cls(folder, limits)
+        found = await trio.to_thread.run_sync(_scan, folder)
+        for invocation_id, (size, ended_at) in sorted(found.items(), key=lambda kv: kv[1][1]):
+            logs = InvocationLogs(store, invocation_id)
+            logs.created = logs.closed = True
+            logs.bytes, logs.ended_at = size, ended_at
+            store._ended[invocation_id] = logs
+            store.total += size
+        await store.remove(store._over_bounds(time.time()))
+        return store
+
+    async def in_thread(self, fn: object, *args: object) -> None:
+        """Run a file operation in a log thread, under WRITE_SECONDS."""
+        with trio.fail_after(WRITE_SECONDS):
+            await trio.to_thread.run_sync(
+                fn,  # type: ignore[arg-type]
+                *args,
+                limiter=self._limiter,
+                abandon_on_cancel=True,
+            )
+
+    def begin(self, invocation_id: str) -> InvocationLogs:
+        """Logs for an invocation that starts now (an older run's logs of the id go)."""
+        old = self._ended.pop(invocation_id, None) or self._live.pop(invocation_id, None)
+        if old is not None:
+            self.total -= old.bytes  # its files are truncated by `create`
+        logs = InvocationLogs(self, invocation_id)
+        self._live[invocation_id] = logs
+        return logs
+
+    def find(self, invocation_id: str) -> InvocationLogs | None:
+        return self._live.get(invocation_id) or self._ended.get(invocation_id)
+
+    def make_room(self, logs: InvocationLogs, size: int) -> tuple[int, list[Path], str | None]:
+        """How many of `size` new bytes `logs` may keep, the ended logs to remove to make
+        room (already forgotten here), and why the rest is cut (None: nothing is)."""
+        reason = None
+        allowed = max(0, min(size, self.limits.invocation_bytes - logs.bytes))
+        if allowed < size:
+            reason = "invocation_limit"
+        victims: list[Path] = []
+        while self.total + allowed > self.limits.total_bytes and self._ended:
+            victims += self._forget(next(iter(self._ended)))
+        if self.total + allowed > self.limits.total_bytes:
+            allowed = max(0, self.limits.total_bytes - self.total)
+            reason = "total_limit"
+        self.total += allowed
+        logs.bytes += allowed
+        return allowed, victims, reason
+
+    def ended(self, logs: InvocationLogs) -> list[Path]:
+        """`logs` is complete: it joins the ended ones; returns what the bounds evict."""
+        if self._live.get(logs.id) is logs:
+            del self._live[logs.id]
+            self._ended[logs.id] = logs
+        return self._over_bounds(time.time())
+
+    def _forget(self, invocation_id: str) -> list[Path]:
+        logs = self._ended.pop(invocation_id)
+        self.total -= logs.bytes
+        return [logs.path(s) for s in STREAMS]
+
+    def _over_bounds(self, now: float) -> list[Path]:
+        """Forget the ended logs past their retention, beyond MAX_KEPT or the total."""
+        victims: list[Path] = []
+        for invocation_id, logs in list(self._ended.items()):
+            expired = (logs.ended_at or 0.0) + self.limits.retention_s <= now
+            if not (expired or len(self._ended) > MAX_KEPT or self.total > self.limits.total_bytes):
+                break
+            victims += self._forget(invocation_id)
+        return victims
+
+    async def remove(self, victims: list[Path]) -> None:
+        if not victims:
+            return
+        with trio.CancelScope(shield=True):
+            try:
+                await self.in_thread(_unlink, victims)
+            except trio.TooSlowError:
+                log.error("removing %d log files took over %ss", len(victims), WRITE_SECONDS)
+
+    async def run(self) -> None:
+        """Remove logs past their retention, every SWEEP_SECONDS, until cancelled."""
+        while True:
+            await trio.sleep(min(SWEEP_SECONDS, self.limits.retention_s))
+            await self.remove(self._over_bounds(time.time()))
+
+
+def _scan(folder: Path) -> dict[str, tuple[int, float]]:
+    """Create or check the folder; (bytes, end time) of each invocation's logs in it."""
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        found = folder.lstat()
+    except OSError as exc:
+        raise LogStoreError(f"logs folder {folder}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid():
+        raise LogStoreError(f"logs folder {folder} is not a folder of this daemon's own")
+    if stat.S_IMODE(found.st_mode) & 0o077:
+        os.chmod(folder, 0o700)  # inside the (checked, private) state folder
+    logs: dict[str, tuple[int, float]] = {}
+    for entry in os.scandir(folder):
+        invocation_id, _, stream = entry.name.rpartition(".")
+        if stream not in STREAMS or not INVOCATION_ID.fullmatch(invocation_id):
+            continue
+        info = entry.stat(follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        size, ended_at = logs.get(invocation_id, (0, 0.0))
+        logs[invocation_id] = (size + info.st_size, max(ended_at, info.st_mtime))
+    return logs

@@ -1,0 +1,127 @@
+"""GET /v1/invocations/{id}/logs over real HTTP: every byte, live, after the end and
+after a restart, under the same roles as reading the invocation."""
+
+from __future__ import annotations
+
+import pathlib
+
+import httpx
+import msgspec
+import trio
+
+from api.errors import ErrorEnvelope
+from supervisor.wire import InvocationState
+from tests.api_fixtures import bearer, builtin_request, running_daemon, wait_for_state
+from tests.helpers import guest_cwd
+
+
+def _process(invocation_id: str, script: str) -> dict[str, object]:
+    return {
+        "id": invocation_id,
+        "work": {"kind": "process", "argv": ["sh", "-c", script], "cwd": str(guest_cwd())},
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**28},
+    }
+
+
+def _code(reply: httpx.Response) -> str:
+    return msgspec.json.decode(reply.content, type=ErrorEnvelope).error.code
+
+
+async def test_logs_hold_every_byte_and_survive_a_restart(tmp_path: pathlib.Path) -> None:
+    script = "seq 1 200000; echo oops >&2"
+    async with running_daemon(tmp_path) as node:
+        async with httpx.AsyncClient(base_url=node.url, timeout=30) as client:
+            accepted = await client.post(
+                "/v1/invocations", json=_process("big", script), headers=bearer(node.scheduler)
+            )
+            assert accepted.status_code == 202, accepted.text
+            done = await wait_for_state(client, node.scheduler, "big", seconds=60)
+            assert done.state is InvocationState.succeeded and done.logs_cut is None
+            reply = await client.get("/v1/invocations/big/logs", headers=bearer(node.scheduler))
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["content-type"] == "application/octet-stream"
+            assert len(reply.content.splitlines()) == 200000
+            assert len(reply.content) == done.stdout_bytes
+            tail = await client.get(
+                "/v1/invocations/big/logs",
+                params={"offset": str(done.stdout_bytes - 7)},
+                headers=bearer(node.admin),
+            )
+            assert tail.content == b"200000\n"
+    async with running_daemon(tmp_path) as node:
+        async with httpx.AsyncClient(base_url=node.url, timeout=30) as client:
+            err = await client.get(
+                "/v1/invocations/big/logs",
+                params={"stream": "stderr", "follow": "1"},
+                headers=bearer(node.scheduler),
+            )
+            assert err.status_code == 200 and err.content == b"oops\n"
+
+
+async def test_a_follower_gets_output_while_the_invocation_runs(tmp_path: pathlib.Path) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=30) as client,
+    ):
+        body = _process("slow", "echo before; sleep 3; echo after")
+        accepted = await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+        assert accepted.status_code == 202, accepted.text
+        got = b""
+        async with client.stream(
+            "GET",
+            "/v1/invocations/slow/logs",
+            params={"follow": "1"},
+            headers=bearer(node.scheduler),
+        ) as reply:
+            assert reply.status_code == 200
+            async for chunk in reply.aiter_bytes():
+                if not got:  # the first line arrives while the guest still sleeps
+                    status = (
+                        await client.get("/v1/invocations/slow", headers=bearer(node.scheduler))
+                    ).json()
+                    assert status["state"] == "running", status
+                got += chunk
+        assert got == b"before\nafter\n"
+        done = await wait_for_state(client, node.scheduler, "slow")
+        assert done.state is InvocationState.succeeded
+
+
+async def test_logs_cut_at_the_bound_say_so_in_the_status(tmp_path: pathlib.Path) -> None:
+    async with (
+        running_daemon(tmp_path, "--logs-max-bytes", "4") as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        body = builtin_request("echo", "echo", {"text": "hello world"})
+        await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+        done = await wait_for_state(client, node.scheduler, "echo")
+        assert done.state is InvocationState.succeeded  # its truth does not depend on logs
+        assert done.logs_cut == "invocation_limit" and done.stdout_tail == "hello world"
+        reply = await client.get("/v1/invocations/echo/logs", headers=bearer(node.scheduler))
+        assert reply.content == b"hell"
+
+
+async def test_logs_refusals(tmp_path: pathlib.Path) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        body = builtin_request("e", "echo", {"text": "hi"})
+        await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+        await wait_for_state(client, node.scheduler, "e")
+        assert (await client.get("/v1/invocations/e/logs")).status_code == 401
+        wrong = await client.get("/v1/invocations/e/logs", headers=bearer("nope"))
+        assert wrong.status_code == 401
+        for query in ({"stream": "stdin"}, {"offset": "-1"}, {"offset": "x"}, {"follow": "2"}):
+            bad = await client.get(
+                "/v1/invocations/e/logs", params=query, headers=bearer(node.scheduler)
+            )
+            assert bad.status_code == 400 and _code(bad) == "invalid_query", query
+        unknown = await client.get("/v1/invocations/nope/logs", headers=bearer(node.scheduler))
+        assert unknown.status_code == 404 and _code(unknown) == "unknown_invocation"
+        past = await client.get(
+            "/v1/invocations/e/logs", params={"offset": "99"}, headers=bearer(node.scheduler)
+        )
+        assert past.status_code == 200 and past.content == b""
+        with trio.fail_after(5):
+            ok = await client.get("/v1/invocations/e/logs", headers=bearer(node.scheduler))
+        assert ok.content == b"hi"

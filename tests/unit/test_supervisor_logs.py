@@ -1,0 +1,205 @@
+"""Invocation logs on disk: every byte kept within the bounds, followed live, read after
+the end and after a restart; a full disk cuts the logs and says so, never more."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+import supervisor.logstore
+from supervisor.logread import read_log
+from supervisor.logstore import InvocationLogs, LogLimits, LogStore
+from supervisor.output import OutputRing
+from supervisor.process import ProcessSpec, run_process
+
+LIMITS = LogLimits(invocation_bytes=2**30, total_bytes=2**31, retention_s=3600)
+
+
+async def _read(logs: InvocationLogs, stream: str = "stdout", offset: int = 0) -> bytes:
+    return b"".join([chunk async for chunk in read_log(logs, stream, offset, follow=False)])
+
+
+async def _started(store: LogStore, invocation_id: str) -> InvocationLogs:
+    logs = store.begin(invocation_id)
+    await logs.create()
+    return logs
+
+
+async def _no_journal(pid: int, start_ticks: int | None) -> None:
+    pass
+
+
+async def test_every_byte_of_a_large_output_reaches_the_log(tmp_path: Path) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    logs = await _started(store, "seq")
+
+    async def out(data: bytes) -> None:
+        await logs.write("stdout", data)
+
+    async def err(data: bytes) -> None:
+        await logs.write("stderr", data)
+
+    ring, ring_err = OutputRing(64 * 1024), OutputRing(64 * 1024)
+    code = await run_process(
+        ProcessSpec(argv=("sh", "-c", "seq 1 200000; echo done >&2")),
+        stdout=ring,
+        stderr=ring_err,
+        on_started=_no_journal,
+        cgroups=None,
+        sinks=(out, err),
+    )
+    await logs.close()
+    assert code == 0
+    text = await _read(logs)
+    assert text.splitlines() == [str(n).encode() for n in range(1, 200001)]
+    assert ring.dropped_bytes > 0  # the ring alone would have lost most of it
+    assert await _read(logs, "stderr") == b"done\n"
+    assert await _read(logs, offset=len(text) - 7) == b"200000\n"
+    assert logs.cut is None
+
+
+async def test_files_are_the_daemons_alone(tmp_path: Path) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    logs = await _started(store, "private")
+    assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
+    for stream in ("stdout", "stderr"):
+        info = logs.path(stream).stat()
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+
+
+async def test_a_follower_gets_each_write_live_and_ends_after_the_last_byte(
+    tmp_path: Path,
+) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    logs = await _started(store, "live")
+    got: list[bytes] = []
+    first, ended = trio.Event(), trio.Event()
+
+    async def follow() -> None:
+        async for chunk in read_log(logs, "stdout", 0, follow=True):
+            got.append(chunk)
+            first.set()
+        ended.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow)
+        await logs.write("stdout", b"first\n")
+        with trio.fail_after(5):
+            await first.wait()
+        assert got == [b"first\n"]
+        assert not ended.is_set()  # still running: the follower waits for more
+        await logs.write("stdout", b"second\n")
+        await logs.close()
+        with trio.fail_after(5):
+            await ended.wait()
+    assert b"".join(got) == b"first\nsecond\n"
+
+
+async def test_the_bound_per_invocation_cuts_and_the_status_can_say_so(tmp_path: Path) -> None:
+    limits = LogLimits(invocation_bytes=10, total_bytes=2**20, retention_s=60)
+    store = await LogStore.open(tmp_path / "logs", limits)
+    logs = await _started(store, "chatty")
+    await logs.write("stdout", b"0123456")
+    await logs.write("stderr", b"abcdefgh")
+    await logs.write("stdout", b"more")
+    assert await _read(logs) == b"0123456"
+    assert await _read(logs, "stderr") == b"abc"
+    assert logs.cut == "invocation_limit"
+    assert store.total == 10
+
+
+async def test_the_total_bound_evicts_the_oldest_ended_logs_never_a_live_one(
+    tmp_path: Path,
+) -> None:
+    limits = LogLimits(invocation_bytes=100, total_bytes=25, retention_s=3600)
+    store = await LogStore.open(tmp_path / "logs", limits)
+    old = await _started(store, "old")
+    await old.write("stdout", b"x" * 10)
+    await old.close()
+    newer = await _started(store, "newer")
+    await newer.write("stdout", b"y" * 10)
+    await newer.close()
+    live = await _started(store, "live")
+    await live.write("stdout", b"z" * 10)  # 30 > 25: "old" goes
+    assert store.find("old") is None and not old.path("stdout").exists()
+    assert store.find("newer") is newer and newer.path("stdout").exists()
+    await live.write("stdout", b"z" * 20)  # "newer" goes; live alone fills the rest
+    assert store.find("newer") is None
+    assert await _read(live) == b"z" * 25
+    assert live.cut == "total_limit" and store.total == 25
+
+
+async def test_a_full_disk_cuts_the_logs_and_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    logs = await _started(store, "full")
+    await logs.write("stdout", b"kept\n")
+
+    def full(path: Path, data: bytes, victims: list[Path]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(supervisor.logstore, "_append", full)
+    await logs.write("stdout", b"lost\n")
+    await logs.write("stdout", b"lost too\n")
+    await logs.close()
+    assert logs.cut == "write_failed: disk full"
+    assert await _read(logs) == b"kept\n"
+
+
+async def test_a_disk_that_refuses_even_the_files_cuts_the_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+
+    def full(paths: list[Path]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(supervisor.logstore, "_create", full)
+    logs = await _started(store, "nofile")
+    await logs.write("stdout", b"lost\n")
+    await logs.close()
+    assert logs.cut == "create_failed: disk full"
+    assert await _read(logs) == b""
+
+
+async def test_logs_are_read_after_a_restart_and_removed_after_their_retention(
+    tmp_path: Path,
+) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    logs = await _started(store, "before")
+    await logs.write("stdout", b"from the last run\n")
+    await logs.write("stderr", b"warn\n")
+    await logs.close()
+    (tmp_path / "logs" / "unrelated.txt").write_text("left alone")
+
+    again = await LogStore.open(tmp_path / "logs", LIMITS)
+    found = again.find("before")
+    assert found is not None and found.closed
+    assert await _read(found) == b"from the last run\n"
+    assert again.total == len(b"from the last run\nwarn\n")
+    with trio.fail_after(5):  # a follower of ended logs ends at their end
+        chunks = [c async for c in read_log(found, "stderr", 0, follow=True)]
+    assert chunks == [b"warn\n"]
+
+    await again.remove(again._over_bounds(time.time() + LIMITS.retention_s + 1))
+    assert again.find("before") is None and again.total == 0
+    assert not found.path("stdout").exists()
+    assert (tmp_path / "logs" / "unrelated.txt").exists()
+
+
+async def test_logs_past_their_retention_are_gone_at_start(tmp_path: Path) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    logs = await _started(store, "stale")
+    await logs.close()
+    long_ago = time.time() - LIMITS.retention_s - 10
+    for stream in ("stdout", "stderr"):
+        os.utime(logs.path(stream), (long_ago, long_ago))
+    again = await LogStore.open(tmp_path / "logs", LIMITS)
+    assert again.find("stale") is None and not logs.path("stdout").exists()
