@@ -15,6 +15,7 @@ from api.routes_invocations import register_invocation_routes
 from api.routes_keys import register_key_routes
 from api.routes_lanes import LaneRequest, register_lane_routes
 from api.routes_node import register_node_routes
+from api.routes_status import register_status_routes
 from api.routes_wait import register_wait_routes
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
@@ -64,6 +65,7 @@ def create_app(ctx: NodeContext) -> QuartTrio:
         )
 
     register_node_routes(app, ctx)
+    register_status_routes(app, ctx)
     register_invocation_routes(app, ctx)
     register_wait_routes(app, ctx)
     register_lane_routes(app, ctx)

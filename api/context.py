@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from api.auth import Authenticator
+from api.device_history import DeviceHistory
 from api.metrics import NodeMetrics
 from api.settings import HttpSettings
 from api.snapshot_cache import SnapshotCache
@@ -25,3 +26,4 @@ class NodeContext:
     supervisor: Supervisor | None = None
     snapshots: SnapshotCache | None = None
     events: EventHub[NodeEvent] | None = None
+    history: DeviceHistory | None = None

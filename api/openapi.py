@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from api.errors import ErrorEnvelope
+from api.openapi_status import status_openapi
 from api.wire import DrainReply, HealthReply, IntrospectionRequest, ReadyReply
 from capabilities import Introspection, KeySet
 from node.machine.snapshot import NodeSnapshot
@@ -192,12 +193,6 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "operationId": "openapi",
                 "responses": _responses(200, _content({"type": "object"}), ()),
-            }
-        },
-        "/": {
-            "get": {
-                "operationId": "status_page",
-                "responses": _responses(200, _content({"type": "string"}, "text/html"), (403,)),
             }
         },
         "/v1/snapshot": {
@@ -450,6 +445,9 @@ def openapi_document() -> dict[str, Any]:
                 "responses": _responses(200, json_of["drain"], (400, *auth, 404)),
             },
         }
+    status_paths, status_components = status_openapi(_REF, _responses, _OPERATOR)
+    paths.update(status_paths)
+    components.update(status_components)
     return {
         "openapi": "3.1.0",
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",

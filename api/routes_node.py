@@ -1,9 +1,8 @@
-"""Snapshot, events stream, metrics, OpenAPI and the workstation status page."""
+"""Snapshot, events stream, metrics and OpenAPI (the status page: `routes_status.py`)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.resources
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -13,14 +12,12 @@ from quart_trio import QuartTrio
 from api.context import NodeContext
 from api.errors import ApiError
 from api.event_stream import HEARTBEAT_SECONDS, event_frames, only_ids, resume_point
-from api.http import ANY_OPERATOR, is_loopback, require_role
+from api.http import ANY_OPERATOR, require_role
 from api.metrics import CONTENT_TYPE
 from api.openapi import openapi_document
 from supervisor.events import TooManySubscribers
 
 __all__ = ["register_node_routes"]
-
-_STATUS_PAGE = importlib.resources.files("api").joinpath("static/index.html")
 
 
 def register_node_routes(app: QuartTrio, ctx: NodeContext) -> None:
@@ -80,9 +77,3 @@ def register_node_routes(app: QuartTrio, ctx: NodeContext) -> None:
     @app.get("/openapi.json")
     async def openapi_json() -> Response:
         return Response(openapi, content_type="application/json")
-
-    @app.get("/")
-    async def status_page() -> Response:
-        if not is_loopback():
-            raise ApiError(403, "loopback_only", "the status page is served on loopback only")
-        return Response(_STATUS_PAGE.read_bytes(), content_type="text/html; charset=utf-8")

@@ -1,10 +1,10 @@
-"""Small wire types of the HTTP API itself (probes, drain, token introspection)."""
+"""Small wire types of the HTTP API itself (probes, drain, token introspection, whoami)."""
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ["DrainReply", "HealthReply", "IntrospectionRequest", "ReadyReply"]
+__all__ = ["DrainReply", "HealthReply", "IntrospectionRequest", "ReadyReply", "WhoamiReply"]
 
 
 class HealthReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -27,3 +27,10 @@ class IntrospectionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unk
 
     token: str
     token_type_hint: str | None = None
+
+
+class WhoamiReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The role the presented operator secret holds (the status page shows admin
+    controls only to an admin; the routes check the role themselves)."""
+
+    role: str

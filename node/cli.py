@@ -102,9 +102,22 @@ def _announce_dev(url: str, daemon: Any) -> None:
     print(f"\n{PROG} dev: listening on {url}", file=sys.stderr)
     print(f"  status page:  {url}/#token={secret}", file=sys.stderr)
     print(f"  token file:   {daemon.auth_path} (scheduler and admin secrets)", file=sys.stderr)
+    print(f"  devices:      {_devices_line(daemon.machine.inventory)}", file=sys.stderr)
     print(f"  state folder: {daemon.config.state_dir}", file=sys.stderr)
     print(f"  try:          {_how_to_call()} run -- sleep 2", file=sys.stderr)
     print("  Ctrl-C stops (a second Ctrl-C stops at once)\n", file=sys.stderr, flush=True)
+
+
+def _devices_line(inventory: Any) -> str:
+    """What the node runs on, in words; simulated devices say so, and why."""
+    gpus = len(inventory.gpus)
+    if inventory.backend != "sim":
+        return f"{gpus} GPU(s) through {inventory.backend}"
+    fallback = "simulated workstation ("
+    why = next((n[len(fallback) : -1] for n in inventory.notes if n.startswith(fallback)), None)
+    if why is None:
+        return f"SIMULATED: {gpus} GPU(s) that are not real hardware (--devices sim)"
+    return f"SIMULATED: {gpus} GPU(s) that are not real hardware; NVML gave none: {why}"
 
 
 def _how_to_call() -> str:

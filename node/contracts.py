@@ -13,9 +13,10 @@ from typing import Any
 import msgspec
 
 import api
+from api.device_history import DeviceHistoryReply
 from api.errors import ErrorEnvelope
 from api.openapi import openapi_document
-from api.wire import DrainReply, IntrospectionRequest
+from api.wire import DrainReply, IntrospectionRequest, WhoamiReply
 from capabilities import Claims, Introspection, KeySet
 from lanehost.protocol import Reply as LaneHostReply
 from lanehost.protocol import Request as LaneHostRequest
@@ -71,6 +72,8 @@ PUBLIC_TYPES: dict[str, Any] = {
     "batch_reply": BatchReply,
     "wait_request": WaitRequest,
     "wait_reply": WaitReply,
+    "whoami_reply": WhoamiReply,
+    "device_history": DeviceHistoryReply,
 }
 OPENAPI_FILE = "openapi.json"
 

@@ -22,6 +22,7 @@ import trio
 from api.app import create_app
 from api.auth import Authenticator, AuthError, AuthFile, load_or_create_auth
 from api.context import NodeContext
+from api.device_history import DeviceHistory
 from api.metrics import NodeMetrics
 from api.server import serve_http
 from api.settings import HttpSettings
@@ -253,6 +254,7 @@ class Daemon:
         if guests.socket is not None:
             nursery.start_soon(serve_unix, self._app, self.context.http, guests.socket, self.stop)
         self.context.snapshots = snapshots
+        self.context.history = history = DeviceHistory(config.health_interval)
         self.context.events = events
         self.context.supervisor = supervisor
         self.context.metrics.snapshot = snapshots.current
@@ -264,7 +266,7 @@ class Daemon:
                 machine.monitor,
                 interval=config.health_interval,
                 probe_timeout=max(1.0, config.health_interval * 2),
-                on_probe=snapshots.mark_changed,  # readings move every probe
+                on_probe=functools.partial(self._on_probe, snapshots, history),
             )
         )
         if config.scheduler_url:
@@ -326,6 +328,11 @@ class Daemon:
             )
         except (OSError, ValueError, JournalError) as exc:
             raise StartupError(str(exc)) from exc
+
+    @staticmethod
+    def _on_probe(snapshots: SnapshotCache, history: DeviceHistory) -> None:
+        snapshots.mark_changed()  # readings move every probe
+        history.record(snapshots.current())
 
     def _on_transition(self, event: HealthTransition) -> None:
         log.info(

@@ -6,16 +6,28 @@ workstation and fails under CI (the CI script installs the `chromium` package).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pathlib
 import re
 import shutil
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from tests.api_fixtures import bearer, builtin_request, get_snapshot, running_daemon
+from tests import cdp
+from tests.api_fixtures import (
+    RunningDaemon,
+    bearer,
+    builtin_request,
+    get_snapshot,
+    running_daemon,
+)
+from tests.helpers import guest_cwd
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_SECONDS = 60
@@ -30,17 +42,22 @@ def chromium() -> str:
     return found
 
 
+@contextlib.asynccontextmanager
+async def serving(
+    tmp_path: pathlib.Path, *argv: str
+) -> AsyncIterator[tuple[RunningDaemon, httpx.AsyncClient]]:
+    """A daemon on loopback and an HTTP client for it."""
+    async with (
+        running_daemon(tmp_path, *argv) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        yield node, client
+
+
 async def dump_dom(browser: str, profile: pathlib.Path, url: str) -> str:
     argv = [
         browser,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
+        *cdp.FLAGS,
         f"--user-data-dir={profile}",
         "--virtual-time-budget=3000",
         "--dump-dom",
@@ -61,10 +78,7 @@ def table_body(dom: str, table_id: str) -> str:
 
 async def test_status_page_shows_devices_lanes_and_invocations(tmp_path: pathlib.Path) -> None:
     browser = chromium()
-    async with (
-        running_daemon(tmp_path) as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+    async with serving(tmp_path) as (node, client):
         snapshot = await get_snapshot(client, node.scheduler)
         page = f"{node.url}/#token={node.scheduler}"
         dom = await dump_dom(browser, tmp_path / "profile-1", page)
@@ -102,3 +116,263 @@ async def test_status_page_asks_for_a_token_when_the_one_given_is_wrong(
         assert re.search(r'<form id="login">', dom), "the login form should be shown"
         assert "not connected" in dom
         assert table_body(dom, "devices").strip() == ""
+
+
+def row(dom: str, table_id: str, key: str) -> str:
+    """The <tr> of `table_id` whose data attribute or text holds `key`."""
+    for match in re.finditer(r"<tr[^>]*>.*?</tr>", table_body(dom, table_id), re.DOTALL):
+        if key in match.group(0):
+            return match.group(0)
+    raise AssertionError(f"no row with {key!r} in #{table_id}")
+
+
+async def test_devices_show_their_readings_and_a_history_at_once(tmp_path: pathlib.Path) -> None:
+    browser = chromium()
+    async with serving(tmp_path, "--health-interval", "0.05") as (node, client):
+        with trio.fail_after(10):  # a few probes, so there is a history to show
+            while True:
+                reply = await client.get("/v1/devices/history", headers=bearer(node.scheduler))
+                assert reply.status_code == 200, reply.text
+                history = reply.json()
+                if min(len(d["samples"]) for d in history["devices"]) >= 3:
+                    break
+                await trio.sleep(0.05)
+        assert history["max_samples"] == 120 and history["interval_s"] == 0.05
+        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+    first = row(dom, "devices", "GPU-5e1d0a3c-0000-4000-8000-5157a0000001")
+    assert "41 °C" in first and "72 W" in first  # the simulated workstation's readings
+    assert re.search(r"\d+ MiB / 24\.0 GiB|[\d.]+ GiB / 24\.0 GiB", first), first
+    # The graphs are drawn from the server's ring, with no wait for new samples.
+    label = re.search(r'aria-label="temperature over the last (\d+) samples', first)
+    assert label is not None and int(label.group(1)) >= 3, first
+    assert "<polyline" in first
+
+
+async def test_history_needs_an_operator(tmp_path: pathlib.Path) -> None:
+    async with serving(tmp_path) as (_, client):
+        assert (await client.get("/v1/devices/history")).status_code == 401
+        wrong = await client.get("/v1/devices/history", headers=bearer("x" * 40))
+        assert wrong.status_code == 401
+
+
+HEALTHY_GPU = "GPU-5e1d0a3c-0000-4000-8000-00000000000a"
+UNHEALTHY_GPU = "GPU-5e1d0a3c-0000-4000-8000-00000000000b"
+TWO_GPUS = f"""
+[cpu]
+logical_cores = 4
+[memory]
+total = "8GiB"
+[[gpus]]
+uuid = "{HEALTHY_GPU}"
+name = "SimGPU A"
+memory = "8GiB"
+[[gpus]]
+uuid = "{UNHEALTHY_GPU}"
+name = "SimGPU B"
+memory = "8GiB"
+[[faults]]
+at = 0.0
+gpu = "{UNHEALTHY_GPU}"
+kind = "over_temperature"
+temperature_c = 97.0
+"""
+
+
+async def test_drained_and_unhealthy_lanes_never_look_free(tmp_path: pathlib.Path) -> None:
+    browser = chromium()
+    sim = tmp_path / "sim.toml"
+    sim.write_text(TWO_GPUS)
+    argv = ("--sim-file", str(sim), "--health-interval", "0.1")
+    async with serving(tmp_path, *argv) as (node, client):
+        with trio.fail_after(10):
+            while True:
+                snapshot = await get_snapshot(client, node.scheduler)
+                sick = [lane for lane in snapshot.lanes if lane.device_id == UNHEALTHY_GPU]
+                if sick and sick[0].health == "unhealthy":
+                    break
+                await trio.sleep(0.05)
+        (drained,) = [lane for lane in snapshot.lanes if lane.device_id == HEALTHY_GPU]
+        reply = await client.post(f"/v1/lanes/{drained.lane_id}/drain", headers=bearer(node.admin))
+        assert reply.status_code == 200, reply.text
+        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+    lane = row(dom, "lanes", drained.lane_id)
+    assert 'class="badge drained">DRAINED — takes no work' in lane, lane
+    assert 'class="bar out drained"' in lane
+    lane = row(dom, "lanes", sick[0].lane_id)
+    assert 'class="badge unhealthy">UNHEALTHY — takes no work' in lane, lane
+    vram = row(dom, "capacity", f"vram {drained.lane_id}")
+    assert 'class="bar out drained"' in vram and "DRAINED" in vram, vram
+    vram = row(dom, "capacity", f"vram {sick[0].lane_id}")
+    assert 'class="bar out unhealthy"' in vram and "UNHEALTHY" in vram, vram
+    cpu = row(dom, "lanes", ">cpu<")
+    assert 'class="badge available">available' in cpu, cpu
+
+
+async def test_the_page_says_when_devices_are_simulated(tmp_path: pathlib.Path) -> None:
+    browser = chromium()
+    async with running_daemon(tmp_path / "sim") as node:
+        dom = await dump_dom(browser, tmp_path / "p1", f"{node.url}/#token={node.scheduler}")
+    assert re.search(r'<div id="sim-banner" class="banner" role="alert">', dom), "no banner"
+    assert "Simulated devices." in dom and "--devices sim" in dom
+    async with running_daemon(tmp_path / "none", devices="none") as node:
+        dom = await dump_dom(browser, tmp_path / "p2", f"{node.url}/#token={node.scheduler}")
+    assert re.search(r'<div id="sim-banner" class="banner" role="alert" hidden', dom)
+
+
+class _BrokenNvml:
+    """A pynvml whose driver is not loaded."""
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlInit(self) -> None:
+        raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+
+async def test_the_page_says_why_dev_fell_back_to_simulated_devices(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    async with running_daemon(
+        tmp_path, devices="auto", dev=True, pynvml_module=_BrokenNvml()
+    ) as node:
+        dom = await dump_dom(browser, tmp_path / "p", f"{node.url}/#token={node.scheduler}")
+    banner = re.search(r'<div id="sim-banner"[^>]*>(.*?)</div>', dom, re.DOTALL)
+    assert banner is not None and " hidden" not in banner.group(0).split(">")[0]
+    assert "NVMLError: Driver Not Loaded" in banner.group(1), banner.group(1)
+
+
+async def _ended(client: httpx.AsyncClient, secret: str, invocation_id: str) -> dict[str, Any]:
+    with trio.fail_after(20):
+        while True:
+            reply = await client.get(f"/v1/invocations/{invocation_id}", headers=bearer(secret))
+            status: dict[str, Any] = reply.json()
+            if status["state"] not in ("queued", "running"):
+                return status
+            await trio.sleep(0.05)
+
+
+async def test_invocation_detail_shows_exit_code_reason_usage_and_stderr(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    async with serving(tmp_path) as (node, client):
+        body = {
+            "id": "oom-job",
+            "work": {
+                "kind": "process",
+                "argv": [
+                    "sh",
+                    "-c",
+                    "echo step 1; echo 'RuntimeError: CUDA out of memory' >&2; exit 3",
+                ],
+                "cwd": str(guest_cwd()),
+            },
+            "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
+        }
+        accepted = await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+        assert accepted.status_code == 202, accepted.text
+        status = await _ended(client, node.scheduler, "oom-job")
+        assert status["exit_code"] == 3, status
+        page = f"{node.url}/#token={node.scheduler}&inv=oom-job"
+        dom = await dump_dom(browser, tmp_path / "profile", page)
+    detail = re.search(r'<section id="detail"[^>]*>(.*?)</section>', dom, re.DOTALL)
+    assert detail is not None and " hidden" not in detail.group(0).split(">")[0], "no detail"
+    text = detail.group(1)
+    assert 'data-field="exit_code">3<' in text, text
+    assert 'data-field="reason">nonzero_exit<' in text
+    assert re.search(r'data-field="cpu">\d+\.\d\d s<', text), text
+    assert "RuntimeError: CUDA out of memory" in re.sub(r"\s+", " ", text)
+    assert "step 1" in text
+    assert re.search(r"<td>3</td>", row(dom, "invocations", "oom-job"))  # the exit column
+
+
+async def _drained(client: httpx.AsyncClient, secret: str, lane_id: str) -> bool:
+    snapshot = await get_snapshot(client, secret)
+    return next(lane.drained for lane in snapshot.lanes if lane.lane_id == lane_id)
+
+
+async def test_an_admin_signs_in_on_the_page_and_drains_then_resumes_a_lane(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+        lane = (await get_snapshot(client, node.scheduler)).lanes[-1].lane_id
+        button = f"document.querySelector('tr[data-lane=\"{lane}\"] button.lane-action')"
+        await tab.goto(f"{node.url}/")
+        await tab.wait_for("!document.querySelector('#login').hidden")
+        await tab.evaluate(
+            f"document.querySelector('#token').value = {json.dumps(node.admin)};"
+            " document.querySelector('#login').requestSubmit(); true"
+        )
+        await tab.wait_for(f"{button}?.dataset.action === 'drain'")
+        assert await tab.evaluate("document.querySelector('#role').textContent") == (
+            "signed in as admin"
+        )
+        await tab.evaluate(f"{button}.click(); true")
+        await tab.wait_for(f"{button}?.dataset.action === 'resume'")
+        assert await _drained(client, node.scheduler, lane)
+        badge = f"document.querySelector('tr[data-lane=\"{lane}\"] .badge').textContent"
+        assert await tab.evaluate(badge) == "DRAINED — takes no work"
+        await tab.evaluate(f"{button}.click(); true")
+        await tab.wait_for(f"{button}?.dataset.action === 'drain'")
+        assert not await _drained(client, node.scheduler, lane)
+        # The secret stays in the tab, never in its address.
+        assert node.admin not in await tab.evaluate("location.href")
+
+
+async def test_a_scheduler_gets_no_drain_button_and_is_refused(tmp_path: pathlib.Path) -> None:
+    browser = chromium()
+    async with serving(tmp_path) as (node, client):
+        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+        assert "signed in as scheduler" in dom
+        assert "lane-action" not in table_body(dom, "lanes")
+        lane = (await get_snapshot(client, node.scheduler)).lanes[-1].lane_id
+        reply = await client.post(f"/v1/lanes/{lane}/drain", headers=bearer(node.scheduler))
+        assert reply.status_code == 403, reply.text
+        assert not await _drained(client, node.scheduler, lane)
+
+
+async def test_an_admin_secret_in_the_address_is_refused(tmp_path: pathlib.Path) -> None:
+    browser = chromium()
+    async with running_daemon(tmp_path) as node:
+        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.admin}")
+    assert re.search(r'<form id="login">', dom), "the login form should be shown"
+    assert "an admin secret in a URL is refused" in dom
+    assert "lane-action" not in table_body(dom, "lanes")
+    assert node.admin not in dom
+
+
+async def test_the_page_cannot_be_framed_or_reach_elsewhere_and_a_cross_site_post_drains_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with serving(tmp_path) as (node, client):
+        page = await client.get("/")
+        policy = page.headers["Content-Security-Policy"]
+        assert "frame-ancestors 'none'" in policy and "connect-src 'self'" in policy
+        assert "default-src 'none'" in policy and "unsafe-inline" not in policy
+        assert page.headers["X-Frame-Options"] == "DENY"
+        assert "set-cookie" not in page.headers  # nothing a cross-site request could carry
+        lane = (await get_snapshot(client, node.scheduler)).lanes[-1].lane_id
+        # What a form on another site can send: no Authorization header.
+        forged = await client.post(
+            f"/v1/lanes/{lane}/drain",
+            content=b"x=1",
+            headers={
+                "Content-Type": "application/x-www-form-urlencoded",
+                "Origin": "https://evil.example",
+            },
+        )
+        assert forged.status_code == 401
+        assert not await _drained(client, node.scheduler, lane)
+
+
+async def test_whoami_names_the_role_of_the_secret(tmp_path: pathlib.Path) -> None:
+    async with serving(tmp_path) as (node, client):
+        for secret, role in ((node.scheduler, "scheduler"), (node.admin, "admin")):
+            reply = await client.get("/v1/whoami", headers=bearer(secret))
+            assert reply.status_code == 200 and reply.json() == {"role": role}
+        assert (await client.get("/v1/whoami")).status_code == 401
