@@ -27,7 +27,7 @@ class DeviceSample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     at: str  # RFC 3339, UTC: the snapshot's observed_at
     health: str
     memory_used_bytes: int | None = None
-    utilization_percent: float | None = None
+    utilization_gpu_percent: float | None = None
     temperature_c: float | None = None
     power_w: float | None = None
 
@@ -49,7 +49,8 @@ def _sample(at: str, device: DeviceSection) -> DeviceSample:
         at=at,
         health=str(device.health),
         memory_used_bytes=device.memory_used_bytes,
-        utilization_percent=None,
+        # Read by name: snapshots from before the field existed do not carry it.
+        utilization_gpu_percent=getattr(device, "utilization_gpu_percent", None),
         temperature_c=device.temperature_c,
         power_w=device.power_w,
     )

@@ -376,3 +376,31 @@ async def test_whoami_names_the_role_of_the_secret(tmp_path: pathlib.Path) -> No
             reply = await client.get("/v1/whoami", headers=bearer(secret))
             assert reply.status_code == 200 and reply.json() == {"role": role}
         assert (await client.get("/v1/whoami")).status_code == 401
+
+
+async def test_invocation_detail_follows_its_logs_live_beyond_the_status_tail(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    script = "echo BEGIN >&2; head -c 9000 /dev/zero | tr '\\0' x >&2; echo END >&2; sleep 60"
+    body = {
+        "id": "chatty",
+        "work": {"kind": "process", "argv": ["sh", "-c", script], "cwd": str(guest_cwd())},
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
+    }
+    async with (
+        serving(tmp_path) as (node, client),
+        cdp.page(browser, tmp_path / "profile") as tab,
+    ):
+        accepted = await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+        assert accepted.status_code == 202, accepted.text
+        await tab.goto(f"{node.url}/#token={node.scheduler}&inv=chatty")
+        stderr = "document.querySelector('#stderr').textContent"
+        note = "document.querySelector('#stderr-bytes').textContent"
+        await tab.wait_for(f"{stderr}.includes('END')")
+        # All of it, not the status's 4,096-character tail, and still open.
+        assert (await tab.evaluate(stderr)).startswith("BEGIN\n")
+        assert (await tab.evaluate(note)).startswith("(live, 9010 bytes")
+        cancelled = await client.delete("/v1/invocations/chatty", headers=bearer(node.scheduler))
+        assert cancelled.status_code == 200
+        await tab.wait_for(f"{note}.startsWith('(complete')")
