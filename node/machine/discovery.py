@@ -9,6 +9,7 @@ advertises a GPU it could not initialise (fail closed).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 import trio
 
-from node.machine.discovery_host import discover_host
+from node.machine.discovery_host import discover_host, read_host_memory
 from node.machine.discovery_nvml import NvmlUnavailable, open_nvml
 from node.machine.discovery_sim import SimError, discover_sim, load_sim_spec
 from node.machine.inventory import Inventory
@@ -67,14 +68,15 @@ async def discover(
     host = discover_host(sys_root=sys_root, proc_root=proc_root)
     await trio.lowlevel.checkpoint()
     cpu, memory = host
+    host_memory = functools.partial(read_host_memory, sys_root=sys_root, proc_root=proc_root)
     if mode == "none":
-        return Inventory(backend="none", cpu=cpu, memory=memory)
+        return Inventory(backend="none", cpu=cpu, memory=memory, host_memory=host_memory)
     if mode == "sim":
         try:
             spec = load_sim_spec(sim_file)
         except SimError as exc:
             raise DiscoveryError(str(exc)) from exc
-        return await discover_sim(spec, host=host)
+        return await discover_sim(spec, host=host, host_memory=host_memory)
     try:
         nvml = pynvml_module if pynvml_module is not None else _load_pynvml()
         source, gpus, driver, cuda, notes, probes = await open_nvml(
@@ -86,6 +88,7 @@ async def discover(
             cpu=cpu,
             memory=memory,
             readiness_reasons=(f"nvml_unavailable: {exc}",),
+            host_memory=host_memory,
         )
     if not gpus:
         await source.aclose()
@@ -97,6 +100,7 @@ async def discover(
             cuda_version=cuda,
             readiness_reasons=("no_gpus: NVML initialised but reported no GPUs",),
             notes=tuple(notes),
+            host_memory=host_memory,
         )
     return Inventory(
         backend="nvml",
@@ -108,4 +112,5 @@ async def discover(
         notes=tuple(notes),
         probes=tuple(probes),
         source=source,
+        host_memory=host_memory,
     )

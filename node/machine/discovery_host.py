@@ -17,7 +17,7 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 
 from node.machine.inventory import CpuInfo, MemoryInfo
 
-__all__ = ["CgroupLimits", "discover_host", "read_cgroup_limits"]
+__all__ = ["CgroupLimits", "discover_host", "read_cgroup_limits", "read_host_memory"]
 
 
 class CgroupLimits:
@@ -151,6 +151,10 @@ def discover_host(
         capacity_millis=cpu_millis,
         cgroup_limit_millis=limits.cpu_millis,
     )
+    return cpu, _memory(ps, limits)
+
+
+def _memory(ps: Any, limits: CgroupLimits) -> MemoryInfo:
     vm = ps.virtual_memory()
     total, available = int(vm.total), int(vm.available)
     capacity = total
@@ -159,10 +163,16 @@ def discover_host(
         if limits.memory_used_bytes is not None:
             available = min(available, max(0, limits.memory_bytes - limits.memory_used_bytes))
         available = min(available, capacity)
-    memory = MemoryInfo(
+    return MemoryInfo(
         total_bytes=total,
         available_bytes=available,
         capacity_bytes=capacity,
         cgroup_limit_bytes=limits.memory_bytes,
     )
-    return cpu, memory
+
+
+def read_host_memory(
+    *, sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc"), psutil_module: Any = psutil
+) -> MemoryInfo:
+    """Memory facts as they are now (each health probe reads them again; synchronous, cheap)."""
+    return _memory(psutil_module, read_cgroup_limits(sys_root=sys_root, proc_root=proc_root))

@@ -4,7 +4,8 @@ Every NVML call runs in a worker thread (`trio.to_thread.run_sync`, one at a
 time through a CapacityLimiter of 1, `abandon_on_cancel=True`) under a
 deadline: a hung driver cannot stall the event loop, and a reading that times
 out makes its devices `failed` (health `unknown`), never healthy. Fields a
-device does not support (NVMLError_NotSupported) are None. NVML missing or
+device does not support (NVMLError_NotSupported) are None, each on its own:
+one unsupported field never hides the others. NVML missing or
 failing to initialise is reported as `NvmlUnavailable`, which discovery turns
 into "no GPU lanes" plus a readiness reason. The module is a parameter so
 tests pass a fake.
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from node.machine.inventory import GpuDevice, MigInstance, Probe, ProbeStatus
+from node.machine.inventory import GpuDevice, MigInstance, MigReading, Probe, ProbeStatus
 
 __all__ = ["NvmlSource", "NvmlUnavailable", "open_nvml"]
 
@@ -40,8 +41,14 @@ class _Sync:
     def __init__(self, nvml: Any) -> None:
         self.nvml = nvml
         self.handles: dict[str, Any] = {}
+        # MIG instance handles of each GPU in MIG mode, by GPU uuid: [(mig uuid, handle)].
+        self.mig_handles: dict[str, list[tuple[str, Any]]] = {}
         self.slowdown_c: dict[str, float | None] = {}
         self.event_set: Any = None
+        # GPUs registered for XID events; counts and last code since NVML opened.
+        self.xid_devices: set[str] = set()
+        self.xid_count: dict[str, int] = {}
+        self.last_xid: dict[str, int] = {}
 
     def opt(self, fn: Callable[..., T], *args: Any) -> T | None:
         """Call `fn`; None when the device does not support it."""
@@ -78,6 +85,8 @@ class _Sync:
                     )
                 except nv.NVMLError as exc:
                     notes.append(f"xid_events_unavailable: {uuid}: {exc}")
+                else:
+                    self.xid_devices.add(uuid)
         return gpus, _text(driver) if driver is not None else None, cuda, notes
 
     def describe(self, uuid: str, handle: Any) -> GpuDevice:
@@ -104,19 +113,21 @@ class _Sync:
             memory_free_bytes=int(mem.free),
             compute_capability=f"{cc[0]}.{cc[1]}" if cc is not None else None,
             mig_enabled=mig_enabled,
-            mig_instances=self.mig_instances(handle) if mig_enabled else (),
+            mig_instances=self.mig_instances(uuid, handle) if mig_enabled else (),
             minor_number=self.opt(nv.nvmlDeviceGetMinorNumber, handle),
         )
 
-    def mig_instances(self, handle: Any) -> tuple[MigInstance, ...]:
+    def mig_instances(self, uuid: str, handle: Any) -> tuple[MigInstance, ...]:
         nv = self.nvml
         found = []
+        handles = self.mig_handles[uuid] = []
         for index in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
             try:
                 mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
             except nv.NVMLError_NotFound:
                 continue  # an empty slot
             mem = nv.nvmlDeviceGetMemoryInfo(mig)
+            handles.append((_text(nv.nvmlDeviceGetUUID(mig)), mig))
             found.append(
                 MigInstance(
                     uuid=_text(nv.nvmlDeviceGetUUID(mig)),
@@ -146,22 +157,64 @@ class _Sync:
             except nv.NVMLError:
                 continue
             xids.setdefault(uuid, []).append(int(data.eventData))
+            self.xid_count[uuid] = self.xid_count.get(uuid, 0) + 1
+            self.last_xid[uuid] = int(data.eventData)
         return xids
+
+    def ecc(self, handle: Any, kind: int, counter: int) -> int | None:
+        count = self.opt(self.nvml.nvmlDeviceGetTotalEccErrors, handle, kind, counter)
+        return int(count) if count is not None else None
+
+    def memory(self, handle: Any) -> tuple[int | None, int | None]:
+        mem = self.opt(self.nvml.nvmlDeviceGetMemoryInfo, handle)
+        return (int(mem.used), int(mem.free)) if mem is not None else (None, None)
+
+    def utilization(self, handle: Any) -> tuple[float | None, float | None]:
+        rates = self.opt(self.nvml.nvmlDeviceGetUtilizationRates, handle)
+        return (float(rates.gpu), float(rates.memory)) if rates is not None else (None, None)
+
+    def mig_reading(self, uuid: str, handle: Any) -> MigReading:
+        nv = self.nvml
+        try:
+            used, free = self.memory(handle)
+            util_gpu, util_memory = self.utilization(handle)  # unsupported on most MIG setups
+        except nv.NVMLError_GpuIsLost:
+            raise
+        except nv.NVMLError:
+            # An instance that went away says nothing about its GPU's health: no reading.
+            return MigReading(uuid=uuid)
+        return MigReading(
+            uuid=uuid,
+            memory_used_bytes=used,
+            memory_free_bytes=free,
+            utilization_gpu_percent=util_gpu,
+            utilization_memory_percent=util_memory,
+        )
 
     def read(self, uuid: str, xids: list[int]) -> Probe:
         nv = self.nvml
         handle = self.handles[uuid]
+        uncorrected, corrected = (
+            nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+            nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+        )
+        volatile, aggregate = nv.NVML_VOLATILE_ECC, nv.NVML_AGGREGATE_ECC
         try:
             temp = self.opt(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
             power_mw = self.opt(nv.nvmlDeviceGetPowerUsage, handle)
-            ecc = self.opt(
-                nv.nvmlDeviceGetTotalEccErrors,
-                handle,
-                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                nv.NVML_VOLATILE_ECC,
-            )
+            ecc = self.ecc(handle, uncorrected, volatile)
             retired = self.opt(nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
             remapped = self.opt(nv.nvmlDeviceGetRemappedRows, handle)
+            used, free = self.memory(handle)
+            util_gpu, util_memory = self.utilization(handle)
+            sm_clock = self.opt(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
+            mem_clock = self.opt(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM)
+            ecc_counts = (
+                self.ecc(handle, corrected, volatile),
+                self.ecc(handle, corrected, aggregate),
+                self.ecc(handle, uncorrected, aggregate),
+            )
+            migs = tuple(self.mig_reading(m, h) for m, h in self.mig_handles.get(uuid, ()))
         except nv.NVMLError_GpuIsLost as exc:
             return Probe(device_id=uuid, status=ProbeStatus.LOST, error=str(exc), xids=tuple(xids))
         except nv.NVMLError as exc:
@@ -169,19 +222,32 @@ class _Sync:
                 device_id=uuid, status=ProbeStatus.FAILED, error=str(exc), xids=tuple(xids)
             )
         slowdown = self.slowdown_c.get(uuid)
+        events = uuid in self.xid_devices
         return Probe(
             device_id=uuid,
             status=ProbeStatus.OK,
             xids=tuple(xids),
             temperature_c=float(temp) if temp is not None else None,
             power_w=power_mw / 1000 if power_mw is not None else None,
-            ecc_volatile_uncorrected=int(ecc) if ecc is not None else None,
+            ecc_volatile_uncorrected=ecc,
             retired_pages_pending=(retired == nv.NVML_FEATURE_ENABLED)
             if retired is not None
             else None,
             remapped_rows_pending=bool(remapped[2] or remapped[3])
             if remapped is not None
             else None,
+            memory_used_bytes=used,
+            memory_free_bytes=free,
+            utilization_gpu_percent=util_gpu,
+            utilization_memory_percent=util_memory,
+            sm_clock_mhz=int(sm_clock) if sm_clock is not None else None,
+            memory_clock_mhz=int(mem_clock) if mem_clock is not None else None,
+            ecc_volatile_corrected=ecc_counts[0],
+            ecc_aggregate_corrected=ecc_counts[1],
+            ecc_aggregate_uncorrected=ecc_counts[2],
+            xid_count=self.xid_count.get(uuid, 0) if events else None,
+            last_xid=self.last_xid.get(uuid, 0) if events else None,
+            mig=migs,
             over_temperature=temp is not None and slowdown is not None and temp >= slowdown,
         )
 
@@ -199,6 +265,8 @@ class _Sync:
             try:
                 handle = nv.nvmlDeviceGetHandleByUUID(uuid)
                 nv.nvmlDeviceGetMemoryInfo(handle)
+                if uuid in self.mig_handles:  # a reset GPU hands out new MIG handles
+                    self.mig_instances(uuid, handle)
             except nv.NVMLError:
                 continue
             self.handles[uuid] = handle

@@ -12,6 +12,7 @@ NVML backend.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -23,6 +24,7 @@ __all__ = [
     "Inventory",
     "MemoryInfo",
     "MigInstance",
+    "MigReading",
     "Probe",
     "ProbeStatus",
 ]
@@ -74,6 +76,16 @@ class GpuDevice(msgspec.Struct, frozen=True, kw_only=True):
     minor_number: int | None = None
 
 
+class MigReading(msgspec.Struct, frozen=True, kw_only=True):
+    """One reading of one MIG instance; None where the driver does not say."""
+
+    uuid: str
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    utilization_gpu_percent: float | None = None
+    utilization_memory_percent: float | None = None
+
+
 class ProbeStatus(enum.StrEnum):
     OK = "ok"
     # The reading failed: the device's state is not known (never "healthy").
@@ -83,7 +95,8 @@ class ProbeStatus(enum.StrEnum):
 
 
 class Probe(msgspec.Struct, frozen=True, kw_only=True):
-    """One reading of one device's health-relevant telemetry."""
+    """One reading of one device's telemetry. A field the device does not support
+    (NVMLError_NotSupported) is None: absent, never a made-up zero."""
 
     device_id: str
     status: ProbeStatus
@@ -95,6 +108,20 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     ecc_volatile_uncorrected: int | None = None
     retired_pages_pending: bool | None = None
     remapped_rows_pending: bool | None = None
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    utilization_gpu_percent: float | None = None
+    utilization_memory_percent: float | None = None
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    ecc_volatile_corrected: int | None = None
+    ecc_aggregate_corrected: int | None = None
+    ecc_aggregate_uncorrected: int | None = None
+    # XID events seen since the source opened, and the code of the latest one;
+    # None when the backend cannot deliver XID events for this device.
+    xid_count: int | None = None
+    last_xid: int | None = None
+    mig: tuple[MigReading, ...] = ()
     # Set by a backend that knows its own threshold (the simulator, NVML slowdown temp).
     over_temperature: bool = False
     # The backend saw the device reset since the previous probe (the simulator's
@@ -133,6 +160,8 @@ class Inventory(msgspec.Struct, frozen=True, kw_only=True):
     probes: tuple[Probe, ...] = ()
     # Not serialised: the live source of later readings (None without devices).
     source: DeviceSource | None = None
+    # Not serialised: reads host memory afresh (each health probe calls it).
+    host_memory: Callable[[], MemoryInfo] | None = None
 
     def gpu(self, device_id: str) -> GpuDevice | None:
         for gpu in self.gpus:

@@ -42,7 +42,7 @@ from node.machine.journal import (
 )
 from node.machine.lanes import build_lanes
 from node.machine.ledger import Ledger, Reservation, ReservationRequest
-from node.machine.monitor import monitor_devices, sync_ledger
+from node.machine.monitor import probe_once, sync_ledger
 from node.machine.reconcile import ReconcileReport, reconcile
 from node.machine.snapshot import NodeSnapshot, build_snapshot
 
@@ -133,6 +133,8 @@ class Machine:
         self.inventory = inventory
         self.health = tracker
         self.ledger = ledger
+        # Host memory as the latest health probe read it (discovery's until then).
+        self.memory = inventory.memory
         self.journal = journal
         self.replay = replay
         self.recovery: ReconcileReport | None = None
@@ -293,7 +295,25 @@ class Machine:
             ledger=self.ledger,
             readiness_reasons=readiness_reasons,
             notes=notes,
+            memory=self.memory,
         )
+
+    def refresh_host_memory(self) -> None:
+        """Read host memory again; a failed read keeps the previous figures."""
+        if self.inventory.host_memory is None:
+            return
+        try:
+            self.memory = self.inventory.host_memory()
+        except Exception as exc:  # psutil and /proc reads: keep the last good figures
+            log.debug("host memory read failed: %s", exc)
+
+    async def probe(self, *, probe_timeout: float = 10.0) -> None:
+        """One health probe: every device (when there are any), then host memory."""
+        if self.inventory.source is not None:
+            await probe_once(
+                self.inventory.source, self.health, probe_timeout=probe_timeout, ledger=self.ledger
+            )
+        self.refresh_host_memory()
 
     async def monitor(
         self,
@@ -302,18 +322,12 @@ class Machine:
         probe_timeout: float = 10.0,
         on_probe: Callable[[], None] = lambda: None,
     ) -> None:
-        """Probe devices until cancelled (returns at once without a device source)."""
-        if self.inventory.source is None:
-            return
+        """Probe until cancelled; `on_probe` hears of every finished probe."""
         sync_ledger(self.health, self.ledger)
-        await monitor_devices(
-            self.inventory.source,
-            self.health,
-            interval=interval,
-            probe_timeout=probe_timeout,
-            ledger=self.ledger,
-            on_probe=on_probe,
-        )
+        while True:
+            await self.probe(probe_timeout=probe_timeout)
+            on_probe()
+            await trio.sleep(interval)
 
     async def aclose(self, *, journal_wait: float = JOURNAL_CLOSE_WAIT) -> None:
         if self.inventory.source is not None:

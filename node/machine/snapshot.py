@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
 from node.machine.health import HealthState, HealthTracker
-from node.machine.inventory import GpuDevice, Inventory
+from node.machine.inventory import (
+    GpuDevice,
+    Inventory,
+    MemoryInfo,
+    MigInstance,
+    MigReading,
+    Probe,
+)
 from node.machine.lanes import Isolation, LaneKind
 from node.machine.ledger import Ledger, ResourceAmounts
 
@@ -59,6 +67,13 @@ class MigSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mig_uuid: str
     profile: str
     memory_total_bytes: int
+    # Fields added in schema 1 after its release carry defaults, so older documents decode.
+    gpu_instance_id: int | None = None
+    # From the latest good reading; absent when unsupported or unread.
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    utilization_gpu_percent: float | None = None
+    utilization_memory_percent: float | None = None
 
 
 class DeviceSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -79,6 +94,20 @@ class DeviceSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True
     ecc_volatile_uncorrected: int | None = None
     retired_pages_pending: bool | None = None
     remapped_rows_pending: bool | None = None
+    memory_free_bytes: int | None = None
+    utilization_gpu_percent: float | None = None
+    utilization_memory_percent: float | None = None
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    ecc_volatile_corrected: int | None = None
+    ecc_aggregate_corrected: int | None = None
+    ecc_aggregate_uncorrected: int | None = None
+    # XID events seen since the daemon started and the latest code (0: none yet);
+    # absent when the driver cannot deliver XID events for this device.
+    xid_errors: int | None = None
+    last_xid: int | None = None
+    # N of /dev/nvidiaN.
+    minor_number: int | None = None
 
 
 class LaneSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -144,28 +173,65 @@ def _amounts(a: ResourceAmounts) -> Amounts:
     )
 
 
+# Reading fields the snapshot carries under the same name, from the latest good probe.
+_DEVICE_READINGS = (
+    "temperature_c",
+    "power_w",
+    "ecc_volatile_uncorrected",
+    "retired_pages_pending",
+    "remapped_rows_pending",
+    "memory_used_bytes",
+    "memory_free_bytes",
+    "utilization_gpu_percent",
+    "utilization_memory_percent",
+    "sm_clock_mhz",
+    "memory_clock_mhz",
+    "ecc_volatile_corrected",
+    "ecc_aggregate_corrected",
+    "ecc_aggregate_uncorrected",
+    "last_xid",
+)
+_MIG_READINGS = (
+    "memory_used_bytes",
+    "memory_free_bytes",
+    "utilization_gpu_percent",
+    "utilization_memory_percent",
+)
+
+
+def _readings(reading: Probe | MigReading | None, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(reading, name) for name in names} if reading is not None else {}
+
+
+def _mig(mig: MigInstance, reading: MigReading | None) -> MigSection:
+    return MigSection(
+        mig_uuid=mig.uuid,
+        profile=mig.name,
+        memory_total_bytes=mig.memory_total_bytes,
+        gpu_instance_id=mig.gpu_instance_id,
+        **{"memory_used_bytes": mig.memory_used_bytes, **_readings(reading, _MIG_READINGS)},
+    )
+
+
 def _device(gpu: GpuDevice, health: HealthTracker) -> DeviceSection:
     h = health.health(gpu.uuid)
     last = health.last_reading(gpu.uuid)
+    migs = {m.uuid: m for m in last.mig} if last else {}
+    # Until a probe reads memory, discovery's figures stand.
+    found = {"memory_used_bytes": gpu.memory_used_bytes, "memory_free_bytes": gpu.memory_free_bytes}
     return DeviceSection(
         device_id=gpu.uuid,
         model=gpu.name,
         pci_bus_id=gpu.pci_bus_id,
         memory_total_bytes=gpu.memory_total_bytes,
-        memory_used_bytes=gpu.memory_used_bytes,
         compute_capability=gpu.compute_capability,
         mig_enabled=gpu.mig_enabled,
-        mig_instances=tuple(
-            MigSection(mig_uuid=m.uuid, profile=m.name, memory_total_bytes=m.memory_total_bytes)
-            for m in gpu.mig_instances
-        ),
+        mig_instances=tuple(_mig(m, migs.get(m.uuid)) for m in gpu.mig_instances),
         health=h.state,
         health_reasons=h.reasons,
-        temperature_c=last.temperature_c if last else None,
-        power_w=last.power_w if last else None,
-        ecc_volatile_uncorrected=last.ecc_volatile_uncorrected if last else None,
-        retired_pages_pending=last.retired_pages_pending if last else None,
-        remapped_rows_pending=last.remapped_rows_pending if last else None,
+        xid_errors=last.xid_count if last else None,
+        minor_number=gpu.minor_number,
+        **{**found, **_readings(last, _DEVICE_READINGS)},
     )
 
 
@@ -179,8 +245,10 @@ def build_snapshot(
     observed_at: datetime.datetime | None = None,
     readiness_reasons: Iterable[str] = (),
     notes: Iterable[str] = (),
+    memory: MemoryInfo | None = None,
 ) -> NodeSnapshot:
-    """Assemble a NodeSnapshot; extra `readiness_reasons` (e.g. journal recovery) are appended."""
+    """Assemble a NodeSnapshot; extra `readiness_reasons` (e.g. journal recovery) are appended.
+    `memory` is the latest host memory reading (discovery's when None)."""
     view = ledger.capacity()
     lanes = tuple(
         LaneSection(
@@ -195,7 +263,7 @@ def build_snapshot(
         )
         for lane in ledger.lanes()
     )
-    cpu, mem = inventory.cpu, inventory.memory
+    cpu, mem = inventory.cpu, memory or inventory.memory
     return NodeSnapshot(
         schema_version=SCHEMA_VERSION,
         node_id=node_id,

@@ -61,6 +61,8 @@ class FakeMig:
     gpu_instance_id: int = 1
     compute_instance_id: int = 0
     parent: FakeGpu | None = None
+    # The instance was destroyed: calls on its handle raise NVMLError_NotFound.
+    gone: bool = False
 
 
 @dataclasses.dataclass
@@ -78,7 +80,14 @@ class FakeGpu:
     temperature: int = 40
     slowdown_temperature: int = 90
     power_mw: int = 70_000
+    utilization_gpu: int = 35
+    utilization_memory: int = 20
+    sm_clock: int = 1410
+    mem_clock: int = 1215
     ecc_uncorrected: int = 0
+    ecc_corrected: int = 0
+    ecc_aggregate_uncorrected: int = 0
+    ecc_aggregate_corrected: int = 0
     retired_pending: int = 0
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
     lost: bool = False
@@ -103,6 +112,12 @@ class _Pci:
 
 
 @dataclasses.dataclass
+class _Utilization:
+    gpu: int
+    memory: int
+
+
+@dataclasses.dataclass
 class _EventData:
     device: Any
     eventType: int
@@ -124,8 +139,12 @@ class FakeNvml:
 
     NVML_TEMPERATURE_GPU = 0
     NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = 1
+    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
+    NVML_AGGREGATE_ECC = 1
+    NVML_CLOCK_SM = 1
+    NVML_CLOCK_MEM = 2
     NVML_DEVICE_MIG_ENABLE = 1
     NVML_DEVICE_MIG_DISABLE = 0
     NVML_FEATURE_ENABLED = 1
@@ -162,6 +181,8 @@ class FakeNvml:
         self.calls.append(name)
         if name != "nvmlInit" and not self.initialised:
             raise NVMLError_Uninitialized()
+        if isinstance(handle, FakeMig) and handle.gone:
+            raise NVMLError_NotFound()
         gpu = handle.parent if isinstance(handle, FakeMig) else handle
         if isinstance(gpu, FakeGpu):
             if gpu.lost:
@@ -272,7 +293,22 @@ class FakeNvml:
 
     def nvmlDeviceGetTotalEccErrors(self, handle: FakeGpu, kind: int, counter: int) -> int:
         self._enter("nvmlDeviceGetTotalEccErrors", handle)
-        return handle.ecc_uncorrected
+        if kind == self.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            volatile = counter == self.NVML_VOLATILE_ECC
+            return handle.ecc_uncorrected if volatile else handle.ecc_aggregate_uncorrected
+        if counter == self.NVML_VOLATILE_ECC:
+            return handle.ecc_corrected
+        return handle.ecc_aggregate_corrected
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> _Utilization:
+        self._enter("nvmlDeviceGetUtilizationRates", handle)
+        if isinstance(handle, FakeMig):
+            raise NVMLError_NotSupported()  # as NVML answers for a MIG instance
+        return _Utilization(gpu=handle.utilization_gpu, memory=handle.utilization_memory)
+
+    def nvmlDeviceGetClockInfo(self, handle: FakeGpu, clock: int) -> int:
+        self._enter("nvmlDeviceGetClockInfo", handle)
+        return handle.sm_clock if clock == self.NVML_CLOCK_SM else handle.mem_clock
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: FakeGpu) -> int:
         self._enter("nvmlDeviceGetRetiredPagesPendingStatus", handle)
