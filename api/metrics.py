@@ -1,26 +1,51 @@
 """Prometheus metrics: a registry per daemon, so several daemons can share a process.
 
-Capacity, health and invocation counts are read from the current snapshot and
-the supervisor at scrape time (a collector), so they can never drift from
-what the API serves; refusals and lane work latency are counted as they happen.
+Capacity, devices, host memory and invocation figures are read from the
+current snapshot and the supervisor at scrape time (a collector), so they can
+never drift from what the API serves; refusals and lane work latency are
+counted as they happen. Each family has one unit. The list is in
+docs/metrics.md.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from node.machine.health import HealthState
+from api.metrics_gpu import gpu_families
 from node.machine.snapshot import Amounts, NodeSnapshot
 from supervisor.wire import InvocationState
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_AMOUNTS = ("capacity", "reserved", "allocated", "allocatable")
+# Snapshot amount -> `kind` label (the ledger's capacity is the total it hands out from).
+_KINDS = {
+    "capacity": "total",
+    "reserved": "reserved",
+    "allocated": "allocated",
+    "allocatable": "allocatable",
+}
+_ACTIVE = (InvocationState.queued, InvocationState.running)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("litegraph-node")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _StateCollector(Collector):
@@ -28,57 +53,103 @@ class _StateCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        yield _build_info()
         snapshot = self._metrics.snapshot() if self._metrics.snapshot else None
         if snapshot is not None:
+            yield _node_info(snapshot)
             yield from _capacity(snapshot)
-            yield from _devices(snapshot)
-        counts = self._metrics.invocation_counts() if self._metrics.invocation_counts else None
-        if counts is not None:
-            family = GaugeMetricFamily(
-                "litegraph_invocations", "Invocations known to the node by state", labels=["state"]
+            yield from _host_memory(snapshot)
+            yield from gpu_families(snapshot)
+        if self._metrics.invocation_counts is not None:
+            counts = self._metrics.invocation_counts()
+            active = GaugeMetricFamily(
+                "litegraph_invocations_active",
+                "Invocations queued or running now, by state",
+                labels=["state"],
             )
-            for state, count in counts.items():
-                family.add_metric([state.value], count)
-            yield family
+            for state in _ACTIVE:
+                active.add_metric([state.value], counts.get(state, 0))
+            yield active
+        if self._metrics.ended_totals is not None:
+            totals = self._metrics.ended_totals()
+            ended = CounterMetricFamily(
+                "litegraph_invocations_ended",
+                "Invocations ended since the daemon started, by final state",
+                labels=["state"],
+            )
+            for state in InvocationState:
+                if state not in _ACTIVE and state is not InvocationState.rejected:
+                    ended.add_metric([state.value], totals.get(state, 0))
+            yield ended
+
+
+def _build_info() -> Metric:
+    family = GaugeMetricFamily(
+        "litegraph_build_info",
+        "Always 1; the labels say which build of litegraph-node runs",
+        labels=["version", "python", "implementation"],
+    )
+    family.add_metric([_version(), platform.python_version(), platform.python_implementation()], 1)
+    return family
+
+
+def _node_info(snapshot: NodeSnapshot) -> Metric:
+    family = GaugeMetricFamily(
+        "litegraph_node_info",
+        "Always 1; the labels name the node, its device backend and the GPU driver",
+        labels=["node_id", "backend", "driver_version", "cuda_version"],
+    )
+    family.add_metric(
+        [
+            snapshot.node_id,
+            snapshot.backend,
+            snapshot.driver_version or "",
+            snapshot.cuda_version or "",
+        ],
+        1,
+    )
+    return family
+
+
+def _amount_family(name: str, text: str, amounts: Amounts) -> Metric:
+    family = GaugeMetricFamily(name, text, labels=["kind"])
+    for field, kind in _KINDS.items():
+        family.add_metric([kind], getattr(amounts, field))
+    return family
 
 
 def _capacity(snapshot: NodeSnapshot) -> Iterator[Metric]:
-    for kind in _AMOUNTS:
-        family = GaugeMetricFamily(
-            f"litegraph_resource_{kind}",
-            f"Resource {kind} (cpu in millis, memory and vram in bytes, gpus in lanes)",
-            labels=["resource", "lane_id"],
-        )
-        sections: list[tuple[str, str, Amounts]] = [
-            ("cpu_millis", "", snapshot.capacity.cpu_millis),
-            ("memory_bytes", "", snapshot.capacity.memory_bytes),
-            ("gpus", "", snapshot.capacity.gpus),
-        ]
-        for resource, device, amounts in sections:
-            family.add_metric([resource, device], getattr(amounts, kind))
-        for vram in snapshot.capacity.vram_bytes:
-            family.add_metric(["vram_bytes", vram.lane_id], getattr(vram, kind))
-        yield family
+    capacity = snapshot.capacity
+    yield _amount_family(
+        "litegraph_capacity_cpu_millis", "CPU for invocations, in millicores", capacity.cpu_millis
+    )
+    yield _amount_family(
+        "litegraph_capacity_memory_bytes", "Memory for invocations, in bytes", capacity.memory_bytes
+    )
+    yield _amount_family(
+        "litegraph_capacity_gpus", "GPU lanes (a whole GPU or a MIG instance each)", capacity.gpus
+    )
+    vram = GaugeMetricFamily(
+        "litegraph_capacity_vram_bytes",
+        "GPU memory for invocations per lane, in bytes",
+        labels=["kind", "lane_id", "device_id"],
+    )
+    for lane in capacity.vram_bytes:
+        for field, kind in _KINDS.items():
+            vram.add_metric([kind, lane.lane_id, lane.device_id], getattr(lane, field))
+    yield vram
 
 
-def _devices(snapshot: NodeSnapshot) -> Iterator[Metric]:
-    health = GaugeMetricFamily(
-        "litegraph_device_health",
-        "1 for the device's current health state",
-        labels=["device_id", "state"],
+def _host_memory(snapshot: NodeSnapshot) -> Iterator[Metric]:
+    memory = snapshot.memory
+    yield GaugeMetricFamily(
+        "litegraph_host_memory_total_bytes", "Host memory, in bytes", value=memory.total_bytes
     )
-    temperature = GaugeMetricFamily(
-        "litegraph_device_temperature_celsius", "GPU temperature", labels=["device_id"]
+    yield GaugeMetricFamily(
+        "litegraph_host_memory_available_bytes",
+        "Host memory available (MemAvailable, within the daemon's cgroup limit), in bytes",
+        value=memory.available_bytes,
     )
-    for device in snapshot.devices:
-        for state in HealthState:
-            health.add_metric(
-                [device.device_id, state.value], 1.0 if device.health is state else 0.0
-            )
-        if device.temperature_c is not None:
-            temperature.add_metric([device.device_id], device.temperature_c)
-    yield health
-    yield temperature
 
 
 class NodeMetrics:
@@ -86,6 +157,7 @@ class NodeMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.snapshot: Callable[[], NodeSnapshot] | None = None
         self.invocation_counts: Callable[[], dict[InvocationState, int]] | None = None
+        self.ended_totals: Callable[[], dict[InvocationState, int]] | None = None
         self.admission_refusals = Counter(
             "litegraph_admission_refusals",
             "Submissions refused at admission, by reason",
@@ -105,6 +177,9 @@ class NodeMetrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
         )
+        # CPU seconds, resident memory, open and maximum descriptors, start time.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self.registry.register(_StateCollector(self))
 
     def render(self) -> bytes:

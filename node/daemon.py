@@ -259,6 +259,7 @@ class Daemon:
         self.context.supervisor = supervisor
         self.context.metrics.snapshot = snapshots.current
         self.context.metrics.invocation_counts = supervisor.counts
+        self.context.metrics.ended_totals = supervisor.ended_totals
         self.readiness.done("supervisor")
         nursery.start_soon(machine.watch_journal)
         nursery.start_soon(

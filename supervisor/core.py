@@ -114,6 +114,8 @@ class Supervisor:
         self._slots = trio.Semaphore(max_running)
         self._live: dict[str, Invocation] = {}
         self._ended: OrderedDict[str, Invocation] = OrderedDict()
+        # Invocations ended since start, by final state: only ever grows (unlike `_ended`).
+        self._ended_totals: dict[InvocationState, int] = {}
         self.accepting = True
         self._nursery: trio.Nursery | None = None
         self.owners = {
@@ -198,6 +200,10 @@ class Supervisor:
             ),
             query,
         )
+
+    def ended_totals(self) -> dict[InvocationState, int]:
+        """How many invocations ended since start, by final state (never decreases)."""
+        return dict(self._ended_totals)
 
     def counts(self) -> dict[InvocationState, int]:
         counts = dict.fromkeys(InvocationState, 0)
@@ -484,6 +490,7 @@ class Supervisor:
     def _retire(self, inv: Invocation) -> None:
         self._live.pop(inv.id, None)
         self._ended[inv.id] = inv
+        self._ended_totals[inv.state] = self._ended_totals.get(inv.state, 0) + 1
         while len(self._ended) > self._retain:
             self._ended.popitem(last=False)
 

@@ -336,3 +336,16 @@ class FakeNvml:
 
     def nvmlEventSetFree(self, event_set: str) -> None:
         self._enter("nvmlEventSetFree")
+
+
+def gpu_and_mig(**gpu_a: Any) -> FakeNvml:
+    """GPU-a (80 GiB, 1 GiB used; `gpu_a` overrides its fields) and GPU-b in MIG mode
+    with MIG-b1 (3g.20gb, GPU instance 2, 3 GiB used) and MIG-b2 (1g.5gb, instance 9)."""
+    gib = 1 << 30
+    fields = {"name": "NVIDIA A100 80GB", "memory_total": 80 * gib, "memory_used": gib, **gpu_a}
+    migs = [
+        FakeMig("MIG-b1", "3g.20gb", 20 * gib, memory_used=3 * gib, gpu_instance_id=2),
+        FakeMig("MIG-b2", "1g.5gb", 5 * gib, gpu_instance_id=9),
+    ]
+    b = FakeGpu(uuid="GPU-b", pci_bus_id="00000000:02:00.0", minor=1, mig_enabled=True, migs=migs)
+    return FakeNvml([FakeGpu(uuid="GPU-a", **fields), b])

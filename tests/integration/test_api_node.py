@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
-import re
 
 import httpx
 import msgspec
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.errors import ErrorEnvelope
 from node.daemon import EVENT_SUBSCRIBERS
@@ -80,16 +80,26 @@ async def test_metrics_exposition_has_capacity_gauges(tmp_path: pathlib.Path) ->
         running_daemon(tmp_path) as node,
         httpx.AsyncClient(base_url=node.url, timeout=5) as client,
     ):
+        await settled_snapshot(client, node.scheduler)
         reply = await client.get("/metrics")
         assert reply.status_code == 200
         assert reply.headers["content-type"].startswith("text/plain")
-        text = reply.text
-        for family in ("allocatable", "capacity", "reserved", "allocated"):
-            assert f"# TYPE litegraph_resource_{family} gauge" in text
-        assert re.search(r'litegraph_resource_allocatable\{.*resource="cpu_millis".*\} \d', text)
-        assert 'resource="vram_bytes"' in text
-        assert "litegraph_device_health{" in text
-        assert 'litegraph_invocations{state="running"}' in text
+        families = {f.name: f for f in text_string_to_metric_families(reply.text)}
+        for unit in ("cpu_millis", "memory_bytes", "gpus", "vram_bytes"):
+            family = families[f"litegraph_capacity_{unit}"]
+            assert family.type == "gauge"
+            assert {s.labels["kind"] for s in family.samples} == {
+                "total",
+                "reserved",
+                "allocated",
+                "allocatable",
+            }
+        for name in ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_FB_USED", "litegraph_device_health"):
+            assert families[name].samples, name
+        assert families["litegraph_invocations_ended"].type == "counter"
+        assert families["litegraph_invocations_active"].samples
+        assert families["litegraph_build_info"].samples[0].value == 1
+        assert families["process_resident_memory_bytes"].samples[0].value > 0
 
 
 async def test_metrics_lane_work_label_is_the_snake_case_op(tmp_path: pathlib.Path) -> None:
@@ -122,7 +132,7 @@ async def test_metrics_auth_requires_an_operator_credential(tmp_path: pathlib.Pa
         assert wrong.status_code == 401
         for secret in (node.scheduler, node.admin):
             reply = await client.get("/metrics", headers=bearer(secret))
-            assert reply.status_code == 200 and "litegraph_resource_allocatable" in reply.text
+            assert reply.status_code == 200 and "litegraph_capacity_cpu_millis" in reply.text
 
 
 async def test_snapshot_decodes_and_sequence_moves_only_on_change(tmp_path: pathlib.Path) -> None:

@@ -16,7 +16,7 @@ from node.machine.discovery_sim import SimError, load_sim_spec
 from node.machine.health import HealthState
 from node.machine.inventory import MemoryInfo
 from node.machine.snapshot import DeviceSection
-from tests.fakes.fake_pynvml import FakeGpu, FakeMig, FakeNvml
+from tests.fakes.fake_pynvml import FakeNvml, gpu_and_mig
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -83,29 +83,6 @@ kind = "reset"
 """
 
 
-def nvml_fake(**fields: object) -> FakeNvml:
-    return FakeNvml(
-        [
-            FakeGpu(uuid="GPU-a", memory_total=80 * GiB, memory_used=GiB, **fields),  # type: ignore[arg-type]
-            FakeGpu(
-                uuid="GPU-b",
-                pci_bus_id="00000000:02:00.0",
-                minor=1,
-                mig_enabled=True,
-                migs=[
-                    FakeMig(
-                        uuid="MIG-b1",
-                        name="3g.20gb",
-                        memory_total=20 * GiB,
-                        memory_used=3 * GiB,
-                        gpu_instance_id=2,
-                    )
-                ],
-            ),
-        ]
-    )
-
-
 async def open_machine(
     state: Path, *, devices: str = "sim", sim_file: Path | None = None, nvml: FakeNvml | None = None
 ) -> Machine:
@@ -126,7 +103,7 @@ def device(machine: Machine, uuid: str) -> DeviceSection:
 
 
 async def test_nvml_probe_refreshes_every_reading(tmp_path: Path) -> None:
-    fake = nvml_fake(ecc_corrected=3, ecc_aggregate_corrected=7, ecc_aggregate_uncorrected=1)
+    fake = gpu_and_mig(ecc_corrected=3, ecc_aggregate_corrected=7, ecc_aggregate_uncorrected=1)
     machine = await open_machine(tmp_path, devices="nvml", nvml=fake)
     try:
         a = device(machine, "GPU-a")
@@ -148,7 +125,7 @@ async def test_nvml_probe_refreshes_every_reading(tmp_path: Path) -> None:
         assert (a.memory_used_bytes, a.memory_free_bytes) == (30 * GiB, 50 * GiB)
         assert (a.utilization_gpu_percent, a.power_w, a.temperature_c) == (97.0, 300.0, 71.0)
         assert a.sm_clock_mhz == 1980 and (a.xid_errors, a.last_xid) == (2, 31)
-        (mig,) = device(machine, "GPU-b").mig_instances
+        mig, _ = device(machine, "GPU-b").mig_instances
         assert (mig.mig_uuid, mig.gpu_instance_id) == ("MIG-b1", 2)
         assert (mig.memory_used_bytes, mig.memory_free_bytes) == (5 * GiB, 15 * GiB)
         # NVML gives no utilization for a MIG instance: absent, and the rest is read.
@@ -181,7 +158,7 @@ async def test_nvml_probe_refreshes_every_reading(tmp_path: Path) -> None:
 async def test_nvml_unsupported_field_is_absent_not_zero(
     tmp_path: Path, call: str, fields: tuple[str, ...]
 ) -> None:
-    fake = nvml_fake()
+    fake = gpu_and_mig()
     fake.gpus[0].unsupported.add(call)
     machine = await open_machine(tmp_path, devices="nvml", nvml=fake)
     try:
@@ -200,7 +177,7 @@ async def test_nvml_unsupported_field_is_absent_not_zero(
 
 
 async def test_nvml_without_xid_events_has_no_xid_count(tmp_path: Path) -> None:
-    fake = nvml_fake()
+    fake = gpu_and_mig()
     fake.events_supported = False
     machine = await open_machine(tmp_path, devices="nvml", nvml=fake)
     try:
@@ -214,15 +191,16 @@ async def test_nvml_without_xid_events_has_no_xid_count(tmp_path: Path) -> None:
 async def test_nvml_vanished_mig_instance_reads_empty_and_the_gpu_stays_healthy(
     tmp_path: Path,
 ) -> None:
-    fake = nvml_fake()
+    fake = gpu_and_mig()
     machine = await open_machine(tmp_path, devices="nvml", nvml=fake)
     try:
         fake.gpus[1].migs[0].gone = True
         await machine.probe()
         b = device(machine, "GPU-b")
         assert b.health is HealthState.HEALTHY and b.utilization_gpu_percent == 35.0
-        (mig,) = b.mig_instances
+        mig, other = b.mig_instances
         assert mig.memory_used_bytes is None and mig.memory_free_bytes is None
+        assert other.memory_free_bytes == 5 * GiB
     finally:
         await machine.aclose()
 
