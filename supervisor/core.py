@@ -10,6 +10,7 @@ state recorded and announced.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from node.machine.model import JOURNAL_RETRY_INTERVAL
 from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
 from supervisor.events import EventHub
 from supervisor.guests import GuestPolicy
+from supervisor.history import History
 from supervisor.invocation import Invocation, utc_now
 from supervisor.lane_owner import LaneOwner, LaneWorkError
 from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
@@ -74,6 +76,10 @@ EXCLUSIVE = frozenset({Isolation.DEDICATED, Isolation.PARTITIONED})
 
 class UnknownInvocation(KeyError):
     pass
+
+
+def _same(status: InvocationStatus) -> InvocationStatus:
+    return status
 
 
 class Supervisor:
@@ -116,6 +122,8 @@ class Supervisor:
         self._ended: OrderedDict[str, Invocation] = OrderedDict()
         # Invocations ended since start, by final state: only ever grows (unlike `_ended`).
         self._ended_totals: dict[InvocationState, int] = {}
+        # Every ending the journal remembers (from before a restart too), for the list.
+        self._history = History(machine.replay.ended.values())
         self.accepting = True
         self._nursery: trio.Nursery | None = None
         self.owners = {
@@ -192,14 +200,17 @@ class Supervisor:
         return [inv.status() for inv in (*self._live.values(), *self._ended.values())]
 
     def list_page(self, query: ListQuery) -> InvocationList:
-        """One page of the invocations `get` answers for, newest first (see listing.py)."""
-        return page(
-            (
-                Listed((inv.submitted_at, inv.id), inv.state, inv.status)
-                for inv in (*self._live.values(), *self._ended.values())
-            ),
-            query,
+        """One page of the invocations `get` answers for, newest first (see listing.py):
+        live ones, those ended since the start, and those the journal remembers."""
+        here = (*self._live.values(), *self._ended.values())
+        known = {inv.id for inv in here}
+        listed = [Listed((inv.submitted_at, inv.id), inv.state, inv.status) for inv in here]
+        listed.extend(
+            Listed((status.submitted_at, status.id), status.state, functools.partial(_same, status))
+            for status in self._history.statuses()
+            if status.id not in known
         )
+        return page(listed, query)
 
     def ended_totals(self) -> dict[InvocationState, int]:
         """How many invocations ended since start, by final state (never decreases)."""
@@ -466,15 +477,20 @@ class Supervisor:
                 continue  # journaled before digests were: nothing to compare a retry with
             if self.machine.ended_invocation(reservation_id) is not None:
                 continue
+            record = restart_ended_record(reservation)
             try:
-                await self.machine.invocation_ended(restart_ended_record(reservation))
+                await self.machine.invocation_ended(record)
             except Exception as exc:  # the node still starts; the id may run again
                 log.error("journal of the restart ending of %s failed: %s", reservation_id, exc)
+            else:
+                self._history.add(record)
 
     async def _remember(self, inv: Invocation, state: InvocationState, ended_at: str) -> None:
         """Journal how it ends, so its id does not run again after a restart."""
+        record = ended_record(inv, state, ended_at)
         try:
-            await self.machine.invocation_ended(ended_record(inv, state, ended_at))
+            await self.machine.invocation_ended(record)
+            self._history.add(record)
         except Exception as exc:  # whatever it is, the invocation still ends
             log.error(
                 "journal of the outcome of %s failed (a resubmission after a restart would "

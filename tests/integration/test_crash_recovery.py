@@ -183,3 +183,78 @@ def test_an_id_cut_off_by_a_crash_answers_node_restarted_and_does_not_run_again(
             time.sleep(0.3)  # time enough for a rerun to have written its line
             assert marker.read_text() == "run\n"
         assert stop(second, signal.SIGTERM) == 0
+
+
+def _listed(client: httpx.Client, **params: object) -> list[dict[str, object]]:
+    reply = client.get("/v1/invocations", params={"limit": 500, **params})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["next_cursor"] is None
+    invocations: list[dict[str, object]] = body["invocations"]
+    return invocations
+
+
+def _kept(status: dict[str, object]) -> dict[str, object]:
+    """What a restart keeps of a status: everything but the output text."""
+    return {**status, "stdout_tail": "", "stderr_tail": ""}
+
+
+def test_history_is_listed_and_readable_after_a_clean_stop_and_after_a_crash(
+    tmp_path: pathlib.Path,
+) -> None:
+    def process(invocation_id: str, script: str) -> dict[str, object]:
+        return {
+            "id": invocation_id,
+            "work": {"kind": "process", "argv": ["sh", "-c", script]},
+            "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
+        }
+
+    env = clean_env()
+    with spawned(_serve(tmp_path), env) as first:
+        url, operator = _ready(first, tmp_path)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            for body in (process("said-hi", "echo hi"), process("exit-3", "exit 3")):
+                assert client.post("/v1/invocations", json=body).status_code == 202
+                _wait_ended(client, str(body["id"]))
+            sleeper = process("cancelled", "sleep 300")
+            assert client.post("/v1/invocations", json=sleeper).status_code == 202
+            assert client.delete("/v1/invocations/cancelled").status_code == 200
+            ended = {s["id"]: s for s in _listed(client)}
+        assert stop(first, signal.SIGTERM) == 0
+
+    assert (ended["said-hi"]["state"], ended["said-hi"]["exit_code"]) == ("succeeded", 0)
+    assert (ended["exit-3"]["state"], ended["exit-3"]["exit_code"]) == ("failed", 3)
+    assert ended["exit-3"]["reason"] == "nonzero_exit"
+    assert (ended["cancelled"]["state"], ended["cancelled"]["reason"]) == (
+        "cancelled",
+        "cancel_requested",
+    )
+    with spawned(_serve(tmp_path), env) as second:
+        url = wait_for_line(second, LISTENING)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            _wait_ready(client)
+            listed = _listed(client)
+            assert [s["id"] for s in listed] == ["cancelled", "exit-3", "said-hi"]
+            for status in listed:
+                assert status == _kept(ended[str(status["id"])])
+                assert client.get(f"/v1/invocations/{status['id']}").json() == status
+            assert [s["id"] for s in _listed(client, state="failed")] == ["exit-3"]
+            # Cut off by a crash: the next start lists it as ended with the daemon.
+            assert client.post("/v1/invocations", json=sleeper | {"id": "cut"}).status_code == 202
+            deadline = time.monotonic() + 10
+            while client.get("/v1/invocations/cut").json()["state"] != "running":
+                assert time.monotonic() < deadline, "cut never ran"
+                time.sleep(0.05)
+        second.send_signal(signal.SIGKILL)
+        second.wait(timeout=10)
+
+    with spawned(_serve(tmp_path), env) as third:
+        url = wait_for_line(third, LISTENING)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            _wait_ready(client)
+            listed = _listed(client)
+            assert [s["id"] for s in listed] == ["cut", "cancelled", "exit-3", "said-hi"]
+            assert (listed[0]["state"], listed[0]["reason"]) == ("failed", "node_restarted")
+            assert listed[0]["ended_at"] is not None
+            assert listed[1:] == [_kept(ended[str(s["id"])]) for s in listed[1:]]
+        assert stop(third, signal.SIGTERM) == 0
