@@ -11,6 +11,7 @@ from werkzeug.exceptions import HTTPException
 from api.context import NodeContext
 from api.errors import ApiError
 from api.responses import error_response, json_response
+from api.routes_docs import register_docs_routes
 from api.routes_invocations import register_invocation_routes
 from api.routes_keys import register_key_routes
 from api.routes_lanes import LaneRequest, register_lane_routes
@@ -70,4 +71,5 @@ def create_app(ctx: NodeContext) -> QuartTrio:
     register_wait_routes(app, ctx)
     register_lane_routes(app, ctx)
     register_key_routes(app, ctx)
+    register_docs_routes(app)
     return app

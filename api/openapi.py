@@ -1,7 +1,9 @@
 """The OpenAPI 3.1 document, built from the msgspec wire types (never written by hand).
 
 Each endpoint lists every status it can answer with; every error body is the
-one ErrorEnvelope. `litegraph-node contracts --check` covers this document.
+one ErrorEnvelope. Every operation has a one-line summary and a tag
+(`OPERATIONS`, by operationId), which the reference page at /docs shows.
+`litegraph-node contracts --check` covers this document.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from supervisor.wire import (
     WaitRequest,
 )
 
-__all__ = ["openapi_document"]
+__all__ = ["DOCS_ASSETS", "OPERATIONS", "TAGS", "openapi_document"]
 
 _REF = "#/components/schemas/{name}"
 _DESCRIPTIONS = {
@@ -53,6 +55,51 @@ _DESCRIPTIONS = {
     422: "Request well-formed but invalid",
     429: "Too much load; retry after Retry-After seconds",
     503: "Not ready, shutting down or lane unavailable",
+}
+# The groups of the reference page, in its order.
+TAGS = {
+    "invocations": "Run work on this node: submit, list, read, wait for and cancel invocations.",
+    "lanes": "Work on a lane and its buffers with a capability token; drain and resume lanes.",
+    "tokens": "Capability tokens: refresh one, the keys that verify them, introspection.",
+    "node": "The node's health, readiness, state, events, metrics and status page.",
+    "docs": "This document and the reference page rendered from it.",
+}
+# operationId -> (tag, summary). A new operation needs an entry (tests/unit/test_openapi.py).
+OPERATIONS = {
+    "healthz": ("node", "Liveness: the process answers"),
+    "readyz": ("node", "Readiness, with the reasons while not ready"),
+    "metrics": ("node", "Prometheus metrics"),
+    "status_page": ("node", "The status page (loopback only)"),
+    "get_snapshot": ("node", "Devices, lanes, capacity and health now"),
+    "whoami": ("node", "The role of the secret presented"),
+    "device_history": ("node", "Recent readings of each device"),
+    "events": ("node", "Stream state changes as server-sent events"),
+    "openapi": ("docs", "This OpenAPI document"),
+    "api_docs": ("docs", "The API reference page, rendered from this document"),
+    "api_docs_asset": ("docs", "A file of the API reference page"),
+    "submit_invocation": ("invocations", "Submit an invocation"),
+    "list_invocations": ("invocations", "List invocations, newest first, a page at a time"),
+    "submit_invocation_batch": ("invocations", "Submit up to 256 invocations at once"),
+    "wait_invocations": ("invocations", "Wait until invocations have ended"),
+    "get_invocation": ("invocations", "Read an invocation's status and output"),
+    "cancel_invocation": ("invocations", "Cancel an invocation"),
+    "lane_work": ("lanes", "Reserve or release lane memory, or run a kernel"),
+    "buffer_upload": ("lanes", "Write bytes into a buffer"),
+    "buffer_download": ("lanes", "Read bytes from a buffer"),
+    "drain_lane": ("lanes", "Drain a lane: no new work on it (admin)"),
+    "resume_lane": ("lanes", "Resume a drained lane (admin)"),
+    "refresh_token": ("tokens", "Trade a capability token for a fresh one"),
+    "get_keys": ("tokens", "The keys that verify this node's tokens"),
+    "introspect_token": ("tokens", "Is this token active now? (RFC 7662)"),
+}
+# The files of the reference page beside its index.html, and how each is served.
+DOCS_ASSETS = {
+    "init.js": "text/javascript; charset=utf-8",
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "LICENSE": "text/plain; charset=utf-8",
+    "NOTICE": "text/plain; charset=utf-8",
+    "swagger-ui-bundle.js.LICENSE.txt": "text/plain; charset=utf-8",
 }
 _OPERATOR: list[dict[str, list[str]]] = [{"operator": []}]
 _TOKEN: list[dict[str, list[str]]] = [{"capability": []}]
@@ -72,6 +119,18 @@ def _responses(ok: int, body: dict[str, Any] | None, errors: tuple[int, ...]) ->
         if status == 429:
             out[str(status)]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
     return out
+
+
+def _summarize(paths: dict[str, Any]) -> None:
+    """Give each operation its summary and tag from OPERATIONS (an operation written
+    with its own keeps them; one with neither fails tests/unit/test_openapi.py)."""
+    for item in paths.values():
+        for method, operation in item.items():
+            if method == "parameters" or operation["operationId"] not in OPERATIONS:
+                continue
+            tag, summary = OPERATIONS[operation["operationId"]]
+            operation.setdefault("summary", summary)
+            operation.setdefault("tags", [tag])
 
 
 def _list_parameters() -> list[dict[str, Any]]:
@@ -194,6 +253,38 @@ def openapi_document() -> dict[str, Any]:
                 "operationId": "openapi",
                 "responses": _responses(200, _content({"type": "object"}), ()),
             }
+        },
+        "/docs": {
+            "get": {
+                "operationId": "api_docs",
+                "description": (
+                    "This document as a page to read, rendered by the Swagger UI shipped"
+                    " with the node: it loads nothing from elsewhere (its"
+                    " Content-Security-Policy forbids it) and needs no credential."
+                ),
+                "responses": _responses(200, _content({"type": "string"}, "text/html"), ()),
+            }
+        },
+        "/docs/{asset}": {
+            "parameters": [
+                {
+                    "name": "asset",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "enum": sorted(DOCS_ASSETS)},
+                }
+            ],
+            "get": {
+                "operationId": "api_docs_asset",
+                "responses": _responses(
+                    200,
+                    {
+                        media: {"schema": {"type": "string"}}
+                        for media in ("text/javascript", "text/css", "text/plain")
+                    },
+                    (404,),
+                ),
+            },
         },
         "/v1/snapshot": {
             "get": {
@@ -448,10 +539,20 @@ def openapi_document() -> dict[str, Any]:
     status_paths, status_components = status_openapi(_REF, _responses, _OPERATOR)
     paths.update(status_paths)
     components.update(status_components)
+    _summarize(paths)
     return {
         "openapi": "3.1.0",
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
-        "info": {"title": "litegraph-node", "version": "1"},
+        "info": {
+            "title": "litegraph-node",
+            "version": "1",
+            "description": (
+                "A per-machine compute daemon: the scheduler submits invocations with an"
+                " operator secret; work reaches its lanes with the capability tokens it"
+                " was given. Every error is an `ErrorEnvelope` with a stable `code`."
+            ),
+        },
+        "tags": [{"name": name, "description": text} for name, text in TAGS.items()],
         "paths": paths,
         "components": {
             "schemas": components,
