@@ -3,7 +3,8 @@
 Between any two pages, invocations are submitted (with any submission time: the
 wall clock may step back), others end or are forgotten, states change. Every
 invocation listed from the first page to the last, in a state the filter
-keeps, is seen exactly once; nothing is seen twice; each page is newest first.
+keeps, is seen exactly once; nothing is seen twice (an id forgotten and run
+again is another invocation, with another key); each page is newest first.
 """
 
 from __future__ import annotations
@@ -59,14 +60,14 @@ def test_pages_neither_repeat_nor_skip(
 ) -> None:
     table = dict(table)
     steady = set(table)  # listed throughout, in a state the filter keeps throughout
-    seen: list[str] = []
+    seen: list[tuple[str, str]] = []
     query = ListQuery(states=wanted, limit=limit)
     for round_ in range(100):
         listed = page(_listed(table), query)
         assert len(listed.invocations) <= limit
         keys = [(s.submitted_at, s.id) for s in listed.invocations]
         assert keys == sorted(keys, reverse=True)
-        seen += [s.id for s in listed.invocations]
+        seen += keys
         for action, iid, at, state in between[round_] if round_ < len(between) else ():
             if action == "add" and iid not in table:
                 table[iid] = (at, state)
@@ -83,5 +84,5 @@ def test_pages_neither_repeat_nor_skip(
     else:
         raise AssertionError("paging did not end")
     assert len(seen) == len(set(seen))
-    kept = {iid for iid in steady if wanted is None or table[iid][1] in wanted}
+    kept = {(table[iid][0], iid) for iid in steady if wanted is None or table[iid][1] in wanted}
     assert kept <= set(seen)
