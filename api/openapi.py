@@ -542,7 +542,9 @@ def openapi_document() -> dict[str, Any]:
     _summarize(paths)
     return {
         "openapi": "3.1.0",
-        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        # OpenAPI's own dialect (JSON Schema 2020-12 plus `discriminator`, which the
+        # tagged unions use), also the default every renderer supports.
+        "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
         "info": {
             "title": "litegraph-node",
             "version": "1",
