@@ -83,6 +83,7 @@ OPERATIONS = {
     "wait_invocations": ("invocations", "Wait until invocations have ended"),
     "get_invocation": ("invocations", "Read an invocation's status and output"),
     "cancel_invocation": ("invocations", "Cancel an invocation"),
+    "invocation_logs": ("invocations", "Read or follow an invocation's output as kept on disk"),
     "lane_work": ("lanes", "Reserve or release lane memory, or run a kernel"),
     "buffer_upload": ("lanes", "Write bytes into a buffer"),
     "buffer_download": ("lanes", "Read bytes from a buffer"),
