@@ -119,6 +119,7 @@ class Supervisor:
         self._on_change = on_change
         self._slots = trio.Semaphore(max_running)
         self._live: dict[str, Invocation] = {}
+        self._waiting = 0  # live invocations in `queued` (admitted or being admitted)
         self._ended: OrderedDict[str, Invocation] = OrderedDict()
         # Invocations ended since start, by final state: only ever grows (unlike `_ended`).
         self._ended_totals: dict[InvocationState, int] = {}
@@ -234,8 +235,7 @@ class Supervisor:
             return recorded_submit_response(record)
         if not self.accepting or self._nursery is None:
             raise AdmissionRefused(503, "shutting_down", "the node is not admitting work")
-        waiting = sum(1 for inv in self._live.values() if inv.state is InvocationState.queued)
-        if waiting >= self.max_queued:
+        if self._waiting >= self.max_queued:
             self._announce_refusal(request.id, "queue_full")
             raise AdmissionRefused(
                 429, "queue_full", "too many invocations are waiting", retry_after=1.0
@@ -252,6 +252,7 @@ class Supervisor:
             request, trio.CancelScope(deadline=trio.current_time() + request.timeout_s)
         )
         self._live[inv.id] = inv  # claims the id while the reservation is journaled
+        self._waiting += 1
         try:
             await self._admit(inv)
             if self._stopped() or not self.accepting:  # stopped while this was journaled
@@ -261,6 +262,7 @@ class Supervisor:
                 raise AdmissionRefused(503, "shutting_down", "the node is not admitting work")
         except BaseException as exc:
             del self._live[inv.id]
+            self._waiting -= 1
             inv.admitted.set()
             inv.finished.set()  # a cancel that arrived during admission answers now
             reason = exc.reason if isinstance(exc, AdmissionRefused) else "admission_failed"
@@ -277,7 +279,7 @@ class Supervisor:
         if self.logs is not None:
             inv.logs = self.logs.begin(inv.id)  # followers may ask for its logs from now on
         self._nursery.start_soon(self._actor, inv)
-        self._announce(inv)
+        self._announce(inv, None)
         return inv.submit_response()
 
     def _stopped(self) -> bool:
@@ -412,8 +414,9 @@ class Supervisor:
                 if inv.logs is not None:
                     await inv.logs.create()
                 async with self._slots:
+                    self._waiting -= 1
                     inv.advance(Ending.start)
-                    self._announce(inv)
+                    self._announce(inv, inv.started_at)
                     inv.exit_code = await run_work(self._run_env(), inv)
                 ending = Ending.succeed if inv.exit_code == 0 else Ending.fail
                 inv.reason = None if inv.exit_code == 0 else inv.failure_reason()
@@ -432,19 +435,17 @@ class Supervisor:
             with trio.move_on_after(self.cleanup_deadline, shield=True) as cleanup:
                 if inv.logs is not None:
                     await inv.logs.close()  # complete: its followers end, its cut is final
-                # The outcome is journaled beside the release, so the two records share
-                # one group commit (one fsync) instead of waiting for one each.
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._remember, inv, next_state(inv.state, ending), ended_at)
-                    await self._release(inv)
+                await self._release(inv, next_state(inv.state, ending), ended_at)
             if cleanup.cancelled_caught:
                 log.error("cleanup of %s overran %ss", inv.id, self.cleanup_deadline)
+            if inv.state is InvocationState.queued:  # ended before it ran
+                self._waiting -= 1
             inv.advance(ending, at=ended_at)
             self._retire(inv)
-            self._announce(inv)
+            self._announce(inv, ended_at)
             inv.finished.set()
 
-    async def _release(self, inv: Invocation) -> None:
+    async def _release(self, inv: Invocation, state: InvocationState, ended_at: str) -> None:
         grants = inv.reservation.lanes if inv.reservation else ()
         self._revoke(inv)  # first: none of its queued lane work runs any more
         for grant in grants:
@@ -458,14 +459,12 @@ class Supervisor:
             for grant in grants:
                 if grant.kind is not LaneKind.CPU:
                     self._lane_faulted(grant.lane_id)
-            return
-        await self.machine.release(inv.id)
-        if inv.pid is not None:
-            try:
-                await self.machine.process_ended(inv.id, inv.pid)
-            except (OSError, JournalError, trio.TooSlowError) as exc:
-                # The group is gone already; a restart's reconcile finds the pid dead.
-                log.error("journal of the end of %s (pid %d) failed: %s", inv.id, inv.pid, exc)
+        # The release, the process's end and how it ended (so its id does not run
+        # again after a restart) are journaled in one write: one fsync before the
+        # terminal state is recorded (and before DELETE answers).
+        record = ended_record(inv, state, ended_at)
+        if await self.machine.end(inv.id, pid=inv.pid, outcome=record, keep=inv.stuck):
+            self._history.add(record)
 
     async def _remember_restart_endings(self) -> None:
         """What the previous daemon left running ended with it: remember each, so a
@@ -485,20 +484,6 @@ class Supervisor:
             else:
                 self._history.add(record)
 
-    async def _remember(self, inv: Invocation, state: InvocationState, ended_at: str) -> None:
-        """Journal how it ends, so its id does not run again after a restart."""
-        record = ended_record(inv, state, ended_at)
-        try:
-            await self.machine.invocation_ended(record)
-            self._history.add(record)
-        except Exception as exc:  # whatever it is, the invocation still ends
-            log.error(
-                "journal of the outcome of %s failed (a resubmission after a restart would "
-                "run it again): %s",
-                inv.id,
-                exc,
-            )
-
     def _revoke(self, inv: Invocation) -> None:
         # Forgets the invocation's tokens: it frees room and can never fail for lack of it.
         self.tokens.revoke_invocation(inv.id)
@@ -510,9 +495,10 @@ class Supervisor:
         while len(self._ended) > self._retain:
             self._ended.popitem(last=False)
 
-    def _announce(self, inv: Invocation) -> None:
+    def _announce(self, inv: Invocation, at: str | None) -> None:
+        """Publish its state, stamped when it changed (`at`, the time in its status)."""
         self.events.publish(
-            NodeEvent(kind=EventKind.invocation, at=utc_now(), invocation=inv.status())
+            NodeEvent(kind=EventKind.invocation, at=at or utc_now(), invocation=inv.status())
         )
         self._on_change()
 

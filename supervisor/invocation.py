@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
+import time
 
 import trio
 
 from node.machine.cgroups import CgroupUsage
 from node.machine.ledger import Reservation
-from node.machine.snapshot import rfc3339
 from supervisor.lifecycle import Ending, next_state
 from supervisor.logstore import InvocationLogs
 from supervisor.output import OutputRing
@@ -27,9 +26,19 @@ OUTPUT_BYTES = 64 * 1024
 TAIL_CHARS = 4096
 
 
+_second: list[tuple[int, str]] = [(-1, "")]  # the last second formatted, and its text
+
+
 def utc_now() -> str:
-    """RFC 3339 in UTC, written as snapshots write it."""
-    return rfc3339(datetime.datetime.now(datetime.UTC))
+    """RFC 3339 in UTC, written as snapshots write it (`rfc3339`: milliseconds, "Z").
+    Several per invocation: the text up to the second is formatted once a second."""
+    now = time.time()
+    second = int(now)
+    cached, prefix = _second[0]
+    if cached != second:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+        _second[0] = (second, prefix)
+    return f"{prefix}{int((now - second) * 1000):03d}Z"
 
 
 class Invocation:
@@ -55,6 +64,7 @@ class Invocation:
         self.stdout = OutputRing(OUTPUT_BYTES)
         self.stderr = OutputRing(OUTPUT_BYTES)
         self.logs: InvocationLogs | None = None  # its files on disk, when the node keeps them
+        self._lanes: tuple[Reservation | None, list[GrantedLane]] = (None, [])
         self.admitted = trio.Event()  # set once admission succeeded or failed
         self.finished = trio.Event()  # set once released and terminal
 
@@ -87,12 +97,17 @@ class Invocation:
         return "nonzero_exit"
 
     def lanes(self) -> list[GrantedLane]:
-        if self.reservation is None:
-            return []
-        return [
-            GrantedLane(lane_id=g.lane_id, kind=g.kind.value, vram_bytes=g.vram_bytes)
-            for g in self.reservation.lanes
-        ]
+        """The granted lanes (built once per reservation; read-only, shared by every
+        status built from it)."""
+        reservation, lanes = self._lanes
+        if reservation is not self.reservation:
+            reservation = self.reservation
+            lanes = [
+                GrantedLane(lane_id=g.lane_id, kind=g.kind.value, vram_bytes=g.vram_bytes)
+                for g in (reservation.lanes if reservation is not None else ())
+            ]
+            self._lanes = (reservation, lanes)
+        return lanes
 
     def status(self) -> InvocationStatus:
         return InvocationStatus(
@@ -106,8 +121,8 @@ class Invocation:
             submitted_at=self.submitted_at,
             started_at=self.started_at,
             ended_at=self.ended_at,
-            stdout_tail=self.stdout.text()[-TAIL_CHARS:],
-            stderr_tail=self.stderr.text()[-TAIL_CHARS:],
+            stdout_tail=self.stdout.tail(TAIL_CHARS),
+            stderr_tail=self.stderr.tail(TAIL_CHARS),
             stdout_bytes=self.stdout.total_bytes,
             stderr_bytes=self.stderr.total_bytes,
             logs_cut=self.logs.cut if self.logs is not None else None,

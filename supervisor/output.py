@@ -23,7 +23,7 @@ Sink = Callable[[bytes], Awaitable[None]]
 class OutputRing:
     """The last `max_bytes` bytes written, plus counts of all and dropped bytes."""
 
-    __slots__ = ("_buffer", "_dropped", "_max", "_total")
+    __slots__ = ("_buffer", "_dropped", "_max", "_tail", "_total")
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -32,6 +32,7 @@ class OutputRing:
         self._buffer = bytearray()
         self._total = 0
         self._dropped = 0
+        self._tail: tuple[int, int, str] = (0, 0, "")  # (total, chars, text) last returned
 
     @property
     def max_bytes(self) -> int:
@@ -67,6 +68,15 @@ class OutputRing:
     def text(self) -> str:
         # The cut can land inside a multi-byte character: replace, never fail.
         return self._buffer.decode("utf-8", errors="replace")
+
+    def tail(self, chars: int) -> str:
+        """The last `chars` characters of `text()`; decoded again only after a write
+        (every status read asks for it)."""
+        total, asked, text = self._tail
+        if total != self._total or asked != chars:
+            text = self.text()[-chars:] if chars else ""
+            self._tail = (self._total, chars, text)
+        return text
 
     def __len__(self) -> int:
         return len(self._buffer)

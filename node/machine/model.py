@@ -37,6 +37,7 @@ from node.machine.journal import (
     JournalReplay,
     ProcessEndedRecord,
     ProcessStartedRecord,
+    Record,
     ReleaseRecord,
     ReserveRecord,
 )
@@ -233,11 +234,46 @@ class Machine:
         if reservation is None:
             return None
         try:
-            with trio.CancelScope(shield=True):
-                await self.group_commit.commit(ReleaseRecord(reservation_id=reservation_id))
+            await self.group_commit.commit(
+                ReleaseRecord(reservation_id=reservation_id), shield=True
+            )
         except (OSError, JournalError, trio.TooSlowError) as exc:
             log.warning("journal release of %s failed: %s", reservation_id, exc)
         return reservation
+
+    async def end(
+        self,
+        reservation_id: str,
+        *,
+        pid: int | None,
+        outcome: EndedRecord,
+        keep: bool = False,
+    ) -> bool:
+        """An invocation ended: free its reservation now (unless `keep`: its process
+        survived SIGKILL and still holds it), then journal the release, its process's
+        end and how it ended together, in one write and one fsync, shielded and under
+        the journal's deadline. A failure is logged, not raised: the resources are
+        already free here, a restart releases the reservation and finds the pid dead;
+        only the outcome is lost (a resubmission after a restart would run again).
+        Returns whether the records are durable."""
+        records: list[Record] = []
+        if not keep:
+            if self.ledger.release(reservation_id) is not None:
+                records.append(ReleaseRecord(reservation_id=reservation_id))
+            if pid is not None:
+                records.append(ProcessEndedRecord(reservation_id=reservation_id, pid=pid))
+        records.append(outcome)
+        try:
+            await self.group_commit.commit(*records, shield=True)
+            return True
+        except (OSError, JournalError, trio.TooSlowError) as exc:
+            log.error(
+                "journal of the end of %s failed (its reservation is free; a resubmission "
+                "after a restart would run it again): %s",
+                reservation_id,
+                exc,
+            )
+            return False
 
     async def process_started(self, reservation_id: str, pid: int, start_ticks: int | None) -> None:
         """`start_ticks`: `node.machine.proc.process_start_ticks(pid)` read at spawn."""
@@ -245,16 +281,9 @@ class Machine:
             ProcessStartedRecord(reservation_id=reservation_id, pid=pid, start_ticks=start_ticks)
         )
 
-    async def process_ended(self, reservation_id: str, pid: int) -> None:
-        with trio.CancelScope(shield=True):
-            await self.group_commit.commit(
-                ProcessEndedRecord(reservation_id=reservation_id, pid=pid)
-            )
-
     async def invocation_ended(self, record: EndedRecord) -> None:
         """Remember durably how an invocation ended (kept for a bounded count and time)."""
-        with trio.CancelScope(shield=True):
-            await self.group_commit.commit(record)
+        await self.group_commit.commit(record, shield=True)
 
     def ended_invocation(self, invocation_id: str) -> EndedRecord | None:
         """How `invocation_id` ended, if the journal still remembers it."""

@@ -133,6 +133,9 @@ async def test_batches_are_bounded_in_records_and_bytes(tmp_path: Path) -> None:
         for i in range(6):
             nursery.start_soon(small.commit, ReleaseRecord(reservation_id=f"s{i}"))
     assert sum(sizes) == 6 and max(sizes) == 1  # one record is always taken, never two
+    sizes.clear()
+    await group.commit(*(ReleaseRecord(reservation_id=f"t{i}") for i in range(7)))
+    assert sizes == [7]  # one commit's records go together, even past max_records
     journal.close()
 
 
@@ -171,3 +174,64 @@ async def test_a_caller_that_gives_up_before_its_batch_is_taken_is_not_written(
     journal.close()
     _, replay = Journal.open(tmp_path, durable=False)
     assert replay.records == 1  # "gave-up" never reached the file
+
+
+async def test_a_record_behind_a_stuck_write_fails_by_its_own_deadline_unwritten(
+    tmp_path: Path,
+) -> None:
+    journal, _ = Journal.open(tmp_path, durable=False)
+    limiter = trio.CapacityLimiter(1)
+    group = GroupCommit(journal, run=_runner(limiter), timeout=0.2)
+    failed: dict[str, float] = {}
+
+    async def commit(name: str) -> None:
+        start = trio.current_time()
+        with pytest.raises(trio.TooSlowError):
+            await group.commit(ReleaseRecord(reservation_id=name))
+        failed[name] = trio.current_time() - start
+
+    async with trio.open_nursery() as nursery:
+        await limiter.acquire()  # a hung disk: the first write never starts
+        nursery.start_soon(commit, "stuck")
+        await trio.sleep(0.1)  # taken; waits for the disk
+        nursery.start_soon(commit, "behind")
+    limiter.release()
+    # Each waiter is answered by its own deadline (no cancel scope of its own: the
+    # flusher bounds the batch by its earliest deadline and fails what expired).
+    assert set(failed) == {"stuck", "behind"}
+    assert all(0.2 <= waited < 1.0 for waited in failed.values()), failed
+    journal.close()
+    _, replay = Journal.open(tmp_path, durable=False)
+    assert replay.records == 0  # "behind" was never taken; "stuck" never started
+
+
+async def test_a_shielded_commit_outlives_a_cancel_and_is_durable(tmp_path: Path) -> None:
+    journal, _ = Journal.open(tmp_path, durable=False)
+    disk = trio.Event()
+
+    async def run(write: Callable[[], None]) -> None:
+        await disk.wait()  # the disk is busy until the test lets it go
+        write()
+
+    group = GroupCommit(journal, run=run, timeout=10)
+    returned: list[str] = []
+
+    async def commit(name: str, shield: bool) -> None:
+        await group.commit(ReleaseRecord(reservation_id=name), shield=shield)
+        returned.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(commit, "first", False)
+        await trio.sleep(0.01)  # taken; waits for the disk
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(commit, "shielded", True)
+                inner.start_soon(commit, "plain", False)
+                await trio.sleep(0.01)
+                scope.cancel()  # "plain" gives up at once; "shielded" waits on
+                disk.set()
+    assert returned == ["first", "shielded"]
+    journal.close()
+    _, replay = Journal.open(tmp_path, durable=False)
+    assert replay.records == 2  # "plain" gave up before its batch was taken
+

@@ -4,6 +4,8 @@ admission refuses with typed reasons while changing nothing."""
 
 from __future__ import annotations
 
+import datetime
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,10 @@ import trio.testing
 from capabilities import LaneOp
 from node.machine.health import HealthState, HealthTransition, Signal
 from node.machine.lanes import Isolation, Requirement
+from node.machine.snapshot import rfc3339
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
+from supervisor.invocation import utc_now
 from supervisor.wire import (
     EventKind,
     InvocationRequest,
@@ -340,3 +344,13 @@ async def test_a_submission_after_the_supervisor_stopped_is_refused_and_leaks_no
             sup.get("late")
     finally:
         await machine.aclose()
+
+
+def test_utc_now_is_rfc3339_with_milliseconds_as_snapshots_write_it() -> None:
+    before = datetime.datetime.now(datetime.UTC)
+    stamp = utc_now()
+    after = datetime.datetime.now(datetime.UTC)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", stamp), stamp
+    parsed = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    assert before - datetime.timedelta(milliseconds=1) <= parsed <= after
+    assert rfc3339(parsed) == stamp

@@ -3,6 +3,7 @@ cancels, and journal errors at process start/end never take the supervisor down.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import trio.testing
 
 from node.machine import Machine
 from node.machine.health import Signal
-from node.machine.journal import JournalError
+from node.machine.journal import JournalError, Record
 from node.machine.lanes import Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
@@ -261,3 +262,26 @@ async def test_a_cancel_journals_the_release_and_the_outcome_in_one_fsync(
         assert rig.machine.group_commit.batches - before == 1
         assert "c" not in rig.machine.journal.reservations()
         assert rig.machine.journal.ended("c") is not None
+
+
+async def test_a_process_end_journals_release_process_end_and_outcome_in_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        journal = rig.machine.journal
+        real = journal.append_framed
+        batches: list[list[str]] = []
+
+        def append_framed(batch: Sequence[tuple[Record, bytes]]) -> None:
+            batches.append([type(record).__name__ for record, _framed in batch])
+            real(batch)
+
+        monkeypatch.setattr(journal, "append_framed", append_framed)
+        await rig.sup.submit(process("p", "true"))
+        assert await rig.wait_terminal("p") is S.succeeded
+        ending = [b for b in batches if "EndedRecord" in b]
+        # One write (one fsync) carries all three, so DELETE and the terminal state
+        # wait for one fsync, and a crash never keeps one of them without the others.
+        assert ending == [["ReleaseRecord", "ProcessEndedRecord", "EndedRecord"]]
+        assert journal.reservations() == {} and journal.processes() == {}
+        assert journal.ended("p") is not None

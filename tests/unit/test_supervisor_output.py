@@ -56,6 +56,22 @@ def test_matches_the_tail_of_everything_written(limit: int, chunks: list[bytes])
     assert len(ring) <= limit
 
 
+@given(
+    st.integers(min_value=0, max_value=64),
+    st.integers(min_value=0, max_value=70),
+    st.lists(st.binary(max_size=40), max_size=10),
+)
+def test_tail_is_always_the_tail_of_the_current_text(
+    limit: int, chars: int, chunks: list[bytes]
+) -> None:
+    # Every status read asks for the tail; it is decoded once per write, never stale.
+    ring = OutputRing(limit)
+    for chunk in chunks:
+        ring.write(chunk)
+        assert ring.tail(chars) == (ring.text()[-chars:] if chars else "")
+        assert ring.tail(chars) == (ring.text()[-chars:] if chars else "")
+
+
 async def test_pump_reads_until_eof_and_reports_chunks() -> None:
     send, receive = trio.testing.memory_stream_one_way_pair()
     ring = OutputRing(5)
