@@ -419,7 +419,11 @@ async def run_process(
     if isinstance(cgroups, str):  # SYSTEM_CGROUPS
         found = system_cgroups()
         cgroups = found if isinstance(found, Cgroups) else None
-    cgroup, rlimit_as = _memory_plan(spec, cgroups)
+    # mkdir and the limit writes cost milliseconds of kernel time: not on the event
+    # loop. Shielded, so a cgroup made is never lost to a cancel (spawn's failure
+    # path below removes it).
+    with trio.CancelScope(shield=True):
+        cgroup, rlimit_as = await trio.to_thread.run_sync(_memory_plan, spec, cgroups)
     join = cgroup.preexec_join() if cgroup is not None else None
     gate_read, gate_write = os.pipe()
     try:
@@ -453,6 +457,15 @@ async def run_process(
         with trio.move_on_after(kill_grace + 15, shield=True):
             await terminate_group(pgid, kill_grace, leader=proc)
             if cgroup is not None:
+                # Usually nothing is left: usage and removal in one worker-thread call.
+                finished = await trio.to_thread.run_sync(cgroup.finish_if_empty)
+                if finished is not None:
+                    usage, removed = finished
+                    if on_usage is not None and usage is not None:
+                        on_usage(usage)
+                    if not removed:
+                        await cgroup.remove()
+                    return
                 # What escaped the group (a setsid() grandchild) is still in the cgroup.
                 try:
                     await cgroup.kill()

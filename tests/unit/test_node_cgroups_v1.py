@@ -88,6 +88,25 @@ async def test_cpu_quota_holds_a_busy_loop_near_its_share(made: list[InvocationC
     assert 0.1 <= rate <= 0.35, rate
 
 
+async def test_a_small_grant_gets_a_long_period_and_still_only_its_share(
+    made: list[InvocationCgroup],
+) -> None:
+    inv = create(made, detect_v1(), cpu_millis=100)
+    cpu = inv.dirs["cpu"]
+    # 20 ms a period: a guest's start-up runs unthrottled (2 ms per 100 ms did not).
+    assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "20000"
+    assert (cpu / "cpu.cfs_period_us").read_text().strip() == "200000"
+    busy = await start(inv, "while True: pass")
+    try:
+        await trio.sleep(0.5)
+        before, since = inv.usage().cpu_seconds, time.monotonic()
+        await trio.sleep(2)
+        rate = (inv.usage().cpu_seconds - before) / (time.monotonic() - since)
+    finally:
+        await close(busy)
+    assert 0.04 <= rate <= 0.16, rate  # a tenth of a CPU over the long run
+
+
 async def test_a_fork_bomb_stops_at_pids_max(made: list[InvocationCgroup]) -> None:
     inv = create(made, detect_v1(), pids_max=16)
     bomb = (
@@ -261,3 +280,20 @@ async def test_a_grant_above_the_daemons_own_cpu_share_is_cut_down_to_it() -> No
             assert await inv.remove()
     finally:
         parent.rmdir()
+
+
+async def test_finish_if_empty_reads_usage_and_removes_only_an_empty_cgroup(
+    made: list[InvocationCgroup],
+) -> None:
+    inv = create(made, detect_v1())
+    leader = await start(inv, "import time; time.sleep(60)")
+    try:
+        assert inv.finish_if_empty() is None  # something is in it: nothing touched
+        assert all(path.is_dir() for path in inv.dirs.values())
+    finally:
+        await close(leader)
+    finished = inv.finish_if_empty()
+    assert finished is not None
+    usage, removed = finished
+    assert usage is not None and usage.cpu_seconds > 0
+    assert removed and not any(path.exists() for path in inv.dirs.values())

@@ -59,6 +59,18 @@ def test_cpu_quota_keeps_small_shares_above_the_kernel_minimum() -> None:
     assert cpu_quota(5) == (5_000, 1_000_000)
 
 
+def test_a_small_grants_period_quota_holds_a_start_up() -> None:
+    # 2 ms per 100 ms throttled a sandboxed `true` for 300 ms; 20 ms per second does
+    # not, and the share is the same.
+    assert cpu_quota(20) == (20_000, 1_000_000)
+    assert cpu_quota(100) == (20_000, 200_000)
+    assert cpu_quota(10) == (10_000, 1_000_000)  # the period stops at the kernel's 1 s
+    for millis in (1, 7, 20, 99, 150, 200, 999, 64_000):
+        quota, period = cpu_quota(millis)
+        assert quota == millis * period // 1000  # the grant's share, to the microsecond
+        assert 100_000 <= period <= 1_000_000 and quota >= 1_000
+
+
 def test_limits_must_be_positive() -> None:
     for bad in ({"memory_bytes": 0}, {"cpu_millis": -1}, {"pids_max": True}):
         fields = {"memory_bytes": 1, "cpu_millis": 1, "pids_max": 1, **bad}

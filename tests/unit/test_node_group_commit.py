@@ -234,4 +234,3 @@ async def test_a_shielded_commit_outlives_a_cancel_and_is_durable(tmp_path: Path
     journal.close()
     _, replay = Journal.open(tmp_path, durable=False)
     assert replay.records == 2  # "plain" gave up before its batch was taken
-

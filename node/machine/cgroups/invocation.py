@@ -105,6 +105,29 @@ class InvocationCgroup:
                 raise CgroupError("unreadable", f"{path}/cgroup.procs: {exc}") from exc
         return frozenset(found)
 
+    def finish_if_empty(self) -> tuple[CgroupUsage | None, bool] | None:
+        """The common ending in one blocking call (run it in a worker thread: cgroupfs
+        mkdir, rmdir and reads cost milliseconds of kernel time): if nothing is left in
+        the cgroup, its usage (None if unreadable, logged), then every directory
+        removed, and whether all went. None when something is still in it: nothing
+        was read or removed, so `kill`, `usage` and `remove` must follow."""
+        if self.pids():
+            return None
+        try:
+            usage: CgroupUsage | None = self.usage()
+        except CgroupError as exc:  # unread counters never keep the cgroup
+            log.error("cgroup %s: no usage: %s", self.name, exc)
+            usage = None
+        removed = True
+        for path in self._tree():
+            try:
+                self.fs.rmdir(path)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                removed = False  # EBUSY while the last task is torn down: `remove` waits
+        return usage, removed
+
     async def _empty_within(self, seconds: float) -> bool:
         return await _poll(lambda: not self.pids(), seconds)
 
