@@ -30,10 +30,11 @@ import trio.testing
 from bench.harness import Finding, median, percentile
 from capabilities import KeyRing, TokenService
 from node.machine import Machine
-from node.machine.lanes import Requirement
+from node.machine.lanes import Lane, Requirement
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_host import lane_host_factory
+from supervisor.lane_work import LaneDevice
 from supervisor.wire import (
     BuiltinWork,
     InvocationRequest,
@@ -57,8 +58,31 @@ TERMINAL = {
 }
 
 
+def _counting_starts(
+    factory: Callable[[Lane], LaneDevice], started: list[str]
+) -> Callable[[Lane], LaneDevice]:
+    """`factory`, noting each lane whose host has greeted (started)."""
+
+    def make(lane: Lane) -> LaneDevice:
+        host = factory(lane)
+        start = host.start
+
+        async def start_and_note() -> object:
+            reply = await start()
+            started.append(lane.lane_id)
+            return reply
+
+        host.start = start_and_note  # type: ignore[method-assign]
+        return host
+
+    return make
+
+
 @contextlib.asynccontextmanager
 async def supervisor(state_dir: pathlib.Path, *, limit: int) -> AsyncIterator[Supervisor]:
+    """A running supervisor whose lane hosts have all started: their start-up (a
+    Python process each, importing NumPy) would otherwise share the CPU with the
+    first figures measured."""
     machine = await Machine.open(
         node_id="bench",
         devices="sim",
@@ -70,11 +94,12 @@ async def supervisor(state_dir: pathlib.Path, *, limit: int) -> AsyncIterator[Su
     )
     try:
         tokens = TokenService("bench", KeyRing.open(state_dir), ttl=900)
+        started: list[str] = []
         sup = Supervisor(
             machine,
             tokens,
             EventHub[NodeEvent](max_subscribers=2, buffer=64),
-            lane_host_factory(backend="numpy"),
+            _counting_starts(lane_host_factory(backend="numpy"), started),
             max_queued=limit,
             max_running=limit,
             kill_grace=2.0,
@@ -82,6 +107,7 @@ async def supervisor(state_dir: pathlib.Path, *, limit: int) -> AsyncIterator[Su
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.run)
+            await wait_until(lambda: len(started) >= len(sup.owners))
             yield sup
             await sup.shutdown(0)
             nursery.cancel_scope.cancel()

@@ -192,11 +192,19 @@ async def _running(client: httpx.AsyncClient, invocation_id: str) -> None:
             await trio.sleep(0.001)
 
 
-async def _cancels(url: str, secret: str) -> tuple[list[float], list[float]]:
+async def _cancels(url: str, secret: str) -> tuple[list[float], list[float], list[float]]:
+    """(DELETE to released, DELETE until a whole-node invocation runs, GET /healthz):
+    the last is the HTTP round trip alone, the floor under the first."""
     headers = {"Authorization": f"Bearer {secret}"}
     released: list[float] = []
     whole: list[float] = []
+    probe: list[float] = []
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+        for n in range(CANCELS + 1):
+            start = time.perf_counter()
+            assert (await client.get("/healthz")).status_code == 200
+            if n:
+                probe.append(time.perf_counter() - start)
         for n in range(CANCELS + 1):
             body = _echo(f"c{n}")
             body["work"] = {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}}
@@ -221,11 +229,17 @@ async def _cancels(url: str, secret: str) -> tuple[list[float], list[float]]:
             await _running(client, f"w{n}")
             whole.append(time.perf_counter() - start)
         await client.delete(f"/v1/invocations/w{WHOLE_NODE_CANCELS}")
-    return released, whole
+    return released, whole, probe
 
 
 def _api_round(base: str | None, rounds: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"noop": [], "true": [], "released": [], "whole": []}
+    out: dict[str, list[float]] = {
+        "noop": [],
+        "true": [],
+        "released": [],
+        "whole": [],
+        "probe": [],
+    }
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         extra = ("--max-queued", "1024", "--max-running", "512")
         with serve(pathlib.Path(tmp), *extra) as (_proc, url, secret):
@@ -240,8 +254,8 @@ def _api_round(base: str | None, rounds: int) -> dict[str, list[float]]:
                     out["true"].append(
                         trio.run(_api_rate, url, secret, f"t{r}", _true, PROCESS_N, PROCESS_BATCH)
                     )
-                released, whole = trio.run(_cancels, url, secret)
-                out["released"], out["whole"] = released, whole
+                released, whole, probe = trio.run(_cancels, url, secret)
+                out["released"], out["whole"], out["probe"] = released, whole, probe
     return out
 
 
@@ -266,6 +280,7 @@ def run() -> list[Finding]:
     bare_true = [trio.run(_bare_true, PROCESS_N, PROCESS_BATCH) for _ in range(REPEATS)]
     released = api_disk["released"]
     whole = api_disk["whole"]
+    probe = api_disk["probe"]
     ms = 1e3
     _MEASURED.update(
         disk_fsync=median(disk_fsync),
@@ -278,6 +293,8 @@ def run() -> list[Finding]:
         bare_true=median(bare_true),
         released_p99=percentile(released, 99),
         released_median=median(released),
+        probe_p99=percentile(probe, 99),
+        probe_median=median(probe),
     )
     return [
         Finding(
@@ -325,6 +342,9 @@ def run() -> list[Finding]:
             figures={
                 "DELETE": f"median {median(released) * ms:.2f} ms, "
                 f"p99 {percentile(released, 99) * ms:.2f} ms, n={len(released)}",
+                "GET /healthz, same client (the HTTP round trip alone)": (
+                    f"median {median(probe) * ms:.2f} ms, p99 {percentile(probe, 99) * ms:.2f} ms"
+                ),
                 "DELETE until the next whole-node invocation runs": (
                     f"median {median(whole) * ms:.2f} ms, worst {max(whole) * ms:.2f} ms"
                     f" of {len(whole)}"
@@ -387,7 +407,9 @@ def notes(findings: list[Finding]) -> list[str]:
                 f" {m['released_median'] * 1e3:.2f} ms). DELETE answers only after the"
                 " release and the `ended` record are fsynced (they share one group commit:"
                 f" at least one {fsync_ms:.2f} ms fsync on this disk, plus the worker-thread"
-                " hand-off) and the HTTP round trip; the tail is the shared machine's load"
+                " hand-off) and the HTTP round trip, which alone (GET /healthz, same client)"
+                f" takes median {m['probe_median'] * 1e3:.2f} ms, p99"
+                f" {m['probe_p99'] * 1e3:.2f} ms here; the tail is the shared machine's load"
                 " (see the load average above)."
             )
         else:

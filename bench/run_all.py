@@ -83,9 +83,30 @@ def main(argv: list[str]) -> int:
                 f"  {f.name}: ratio {f.ratio:.2f} ({'met' if f.met else 'NOT met'})",
                 file=sys.stderr,
             )
-    if not only:
-        (HERE / "RESULTS.md").write_text(render(results, loads, notes))
+    text = render(results, loads, notes)
+    if only and (HERE / "RESULTS.md").exists():
+        # Only some modules ran: replace their sections and keep the others.
+        text = merge((HERE / "RESULTS.md").read_text(), text)
+    (HERE / "RESULTS.md").write_text(text)
     return 0
+
+
+def _sections(text: str) -> tuple[str, dict[str, str]]:
+    """(the head before the first module, module -> its section), in order."""
+    head, *parts = text.split("\n## ")
+    return head, {part.split("\n", 1)[0]: "## " + part for part in parts}
+
+
+def merge(old: str, new: str) -> str:
+    """`old` with the modules measured in `new` replaced (or added), each section
+    saying when it was measured; the other sections are kept as they were."""
+    old_head, kept = _sections(old)
+    new_head, fresh = _sections(new)
+    measured = next(line for line in new_head.splitlines() if line.startswith("Measured "))
+    for module, section in fresh.items():
+        title, _, body = section.partition("\n")
+        kept[module] = f"{title}\n\n{measured}\n{body}"
+    return "\n## ".join([old_head.rstrip("\n") + "\n", *(s[3:] for s in kept.values())])
 
 
 if __name__ == "__main__":
