@@ -102,6 +102,7 @@ class TokenService:
         self._live = LiveTokens(max_live_tokens, leeway=self._leeway, clock=clock)
         # kid -> the latest exp of a token it signed; one entry per key of the ring.
         self._signed_until: dict[str, float] = {}
+        self._last_footer: tuple[str, bytes] = ("", b"")
         self._inspector = self.validator(cache_size=1024)
 
     @property
@@ -175,12 +176,13 @@ class TokenService:
             end = min(end, deadline + DEADLINE_MARGIN)
         if end < iat + 1:
             raise MintError("the invocation's deadline has already passed")
+        issued = from_unix(iat)
         claims = Claims(
             iss=self._node_id,
             sub=invocation_id,
             aud=lane_id,
-            iat=from_unix(iat),
-            nbf=from_unix(iat),
+            iat=issued,
+            nbf=issued,
             exp=from_unix(end),
             jti=secrets.token_hex(16),
             ops=granted,
@@ -194,12 +196,18 @@ class TokenService:
             raise MintError(f"invalid claims: {exc}") from None
         self._live.make_room(invocation_id, lane_id)  # before paying for a signature
         kid, secret = self._keyring.signing_key()
-        token = paseto.sign(
-            secret, payload, footer=encode(Footer(kid=kid)), implicit=self._implicit
-        )
+        token = paseto.sign(secret, payload, footer=self._footer(kid), implicit=self._implicit)
         self._live.admit(invocation_id, lane_id, claims.jti, to_unix(claims.exp))
         self._note_signed(kid, to_unix(claims.exp))
         return MintedToken(token=token, claims=claims)
+
+    def _footer(self, kid: str) -> bytes:
+        """The encoded footer naming `kid` (the same bytes for every token it signs)."""
+        cached_kid, footer = self._last_footer
+        if cached_kid != kid:
+            footer = encode(Footer(kid=kid))
+            self._last_footer = (kid, footer)
+        return footer
 
     def _note_signed(self, kid: str, exp: float) -> None:
         until = self._signed_until.get(kid)

@@ -48,9 +48,13 @@ def ended_record(inv: Invocation, state: InvocationState, ended_at: str) -> Ende
     status = msgspec.structs.replace(
         inv.status(), state=state, ended_at=ended_at, stdout_tail="", stderr_tail=""
     )
+    reservation = inv.reservation
     return EndedRecord(
         invocation_id=inv.id,
-        request_digest=request_digest(inv.request),
+        # Its reservation carries the digest taken at admission: not hashed again.
+        request_digest=reservation.request_digest
+        if reservation is not None and reservation.request_digest
+        else request_digest(inv.request),
         ended_at=time.time(),
         outcome=msgspec.json.encode(status),
     )
