@@ -39,6 +39,10 @@ it opens with an info line saying so.
 The file is created with mode 0600; a journal path that is a symlink, not a
 regular file, owned by someone else or open to group/others is refused with
 `JournalUnsafe` rather than used.
+
+The record types and their framing are in `journal_records.py`, reading a file
+back (the live state, torn tails) in `journal_replay.py`; this module opens,
+appends, compacts and re-exports the records.
 """
 
 from __future__ import annotations
@@ -48,15 +52,28 @@ import enum
 import logging
 import os
 import stat
-import struct
-import time
-import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
+from node.machine.journal_records import (
+    EndedRecord,
+    ProcessEndedRecord,
+    ProcessRecord,
+    ProcessStartedRecord,
+    Record,
+    ReleaseRecord,
+    ReserveRecord,
+    frame,
+)
+from node.machine.journal_replay import (
+    LiveState,
+    drop_torn_tail,
+    fsync_dir,
+    scan_journal,
+    write_all,
+)
 from node.machine.ledger import Reservation
 
 __all__ = [
@@ -82,58 +99,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 JOURNAL_FILENAME = "reservations.journal"
-_HEADER = struct.Struct(">II")
 # Ended invocations remembered (newest first), and for how long.
 RETAIN_ENDED = 4096
 RETAIN_ENDED_SECONDS = 24 * 3600.0
-# No honest record comes near this; a bigger length means a corrupt header.
-MAX_RECORD_BYTES = 1 << 20
-# Looking for whole records after a length that runs past the end of the file reads
-# at most this many payload bytes; past it the tail is judged corrupt (fail closed).
-_RESYNC_BUDGET = 64 << 20
-
-
-class ReserveRecord(msgspec.Struct, frozen=True, kw_only=True, tag="reserve"):
-    reservation: Reservation
-
-
-class ReleaseRecord(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
-    reservation_id: str
-
-
-class ProcessStartedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="process_started"):
-    reservation_id: str
-    pid: int
-    # Tells a reused pid apart: /proc/<pid>/stat starttime, clock ticks since boot.
-    start_ticks: int | None = None
-    # Older records: psutil create_time(), wall-clock seconds (it shifts with the clock).
-    start_time: float = 0.0
-
-
-class ProcessEndedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="process_ended"):
-    reservation_id: str
-    pid: int
-
-
-class EndedRecord(msgspec.Struct, frozen=True, kw_only=True, tag="ended"):
-    """An invocation that ended: what it was asked (a digest) and how it ended."""
-
-    invocation_id: str
-    request_digest: str
-    ended_at: float  # Unix time: the retention window must hold across restarts
-    outcome: bytes  # the supervisor's encoding; the journal does not read it
-
-
-Record = ReserveRecord | ReleaseRecord | ProcessStartedRecord | ProcessEndedRecord | EndedRecord
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Record)
-
-
-class ProcessRecord(msgspec.Struct, frozen=True, kw_only=True):
-    reservation_id: str
-    pid: int
-    start_ticks: int | None = None
-    start_time: float = 0.0  # only in records written before start_ticks existed
 
 
 class JournalReplay(msgspec.Struct, frozen=True, kw_only=True):
@@ -180,12 +148,6 @@ class JournalCorrupt(JournalError):
         )
 
 
-def frame(record: Record) -> bytes:
-    """The record as it is written: length, CRC32, msgpack payload."""
-    payload = _encoder.encode(record)
-    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-
-
 def _check_safe(path: Path, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise JournalUnsafe(UnsafeReason.SYMLINK, path)
@@ -197,183 +159,6 @@ def _check_safe(path: Path, st: os.stat_result) -> None:
         raise JournalUnsafe(UnsafeReason.OPEN_PERMISSIONS, path)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _State:
-    """The live view the log describes; replay and append both update it."""
-
-    def __init__(self, *, retain_ended: int, retain_ended_s: float) -> None:
-        self.reservations: dict[str, Reservation] = {}
-        self.processes: dict[int, ProcessRecord] = {}
-        self.ended: OrderedDict[str, EndedRecord] = OrderedDict()
-        self._retain_ended = retain_ended
-        self._retain_ended_s = retain_ended_s
-
-    def apply(self, record: Record) -> None:
-        match record:
-            case ReserveRecord(reservation=r):
-                self.reservations[r.reservation_id] = r
-            case ReleaseRecord(reservation_id=rid):
-                self.reservations.pop(rid, None)
-            case ProcessStartedRecord(reservation_id=rid, pid=pid, start_ticks=k, start_time=t):
-                self.processes[pid] = ProcessRecord(
-                    reservation_id=rid, pid=pid, start_ticks=k, start_time=t
-                )
-            case ProcessEndedRecord(pid=pid):
-                self.processes.pop(pid, None)
-            case EndedRecord(invocation_id=iid):
-                self.ended.pop(iid, None)
-                self.ended[iid] = record
-                while len(self.ended) > self._retain_ended:
-                    self.ended.popitem(last=False)
-
-    def _fresh(self, record: EndedRecord) -> bool:
-        return record.ended_at >= time.time() - self._retain_ended_s
-
-    def live_ended(self) -> dict[str, EndedRecord]:
-        """The ended invocations still inside the retention window, oldest first."""
-        return {iid: r for iid, r in self.ended.items() if self._fresh(r)}
-
-    def live_ended_one(self, invocation_id: str) -> EndedRecord | None:
-        record = self.ended.get(invocation_id)
-        return record if record is not None and self._fresh(record) else None
-
-    def size(self) -> int:
-        return len(self.reservations) + len(self.processes) + len(self.ended)
-
-    def records(self) -> list[Record]:
-        out: list[Record] = [ReserveRecord(reservation=r) for r in self.reservations.values()]
-        out.extend(
-            ProcessStartedRecord(
-                reservation_id=p.reservation_id,
-                pid=p.pid,
-                start_ticks=p.start_ticks,
-                start_time=p.start_time,
-            )
-            for p in self.processes.values()
-        )
-        out.extend(self.live_ended().values())
-        return out
-
-
-class _Scan(msgspec.Struct, frozen=True):
-    records: int
-    good: int  # bytes of whole, good records from the start of the file
-    problem: str | None = None
-    torn: bool = False  # the problem is a torn last record, not corruption
-
-
-def _frame_at(data: bytes, offset: int) -> Record | None:
-    """The record whose whole, good frame starts at `offset`, else None."""
-    if len(data) - offset < _HEADER.size:
-        return None
-    length, crc = _HEADER.unpack_from(data, offset)
-    start = offset + _HEADER.size
-    if length > MAX_RECORD_BYTES or start + length > len(data):
-        return None
-    payload = data[start : start + length]
-    if zlib.crc32(payload) != crc:
-        return None
-    try:
-        return _decoder.decode(payload)
-    except msgspec.DecodeError:
-        return None
-
-
-def _frame_after(data: bytes, offset: int) -> bool:
-    """Does a whole, good frame start anywhere after `offset`? (A torn record is the
-    last thing in the file; a corrupted length is followed by the records it hides.)"""
-    budget = _RESYNC_BUDGET
-    for at in range(offset + 1, len(data) - _HEADER.size + 1):
-        length = _HEADER.unpack_from(data, at)[0]
-        if length > MAX_RECORD_BYTES or at + _HEADER.size + length > len(data):
-            continue
-        budget -= length
-        if budget < 0 or _frame_at(data, at) is not None:
-            return True
-    return False
-
-
-def _replay(data: bytes, state: _State) -> _Scan:
-    """Apply every good frame from the start; say where and why it stopped."""
-    scan = _scan_frames(data, state)
-    if scan.problem is not None and not scan.torn and not any(data[scan.good :]):
-        # The file was extended but the bytes never reached the disk: they read as 0.
-        return _Scan(scan.records, scan.good, "zero_tail", torn=True)
-    return scan
-
-
-def _scan_frames(data: bytes, state: _State) -> _Scan:
-    offset = count = 0
-    while offset < len(data):
-        if len(data) - offset < _HEADER.size:
-            return _Scan(count, offset, "torn_header", torn=True)
-        length, crc = _HEADER.unpack_from(data, offset)
-        if length > MAX_RECORD_BYTES:
-            return _Scan(count, offset, "bad_length")
-        start = offset + _HEADER.size
-        if start + length > len(data):
-            if _frame_after(data, offset):
-                return _Scan(count, offset, "bad_length")
-            return _Scan(count, offset, "torn_record", torn=True)
-        payload = data[start : start + length]
-        if zlib.crc32(payload) != crc:
-            return _Scan(count, offset, "bad_crc")
-        try:
-            record = _decoder.decode(payload)
-        except msgspec.DecodeError:
-            return _Scan(count, offset, "undecodable_record")
-        state.apply(record)
-        count += 1
-        offset = start + length
-    return _Scan(count, offset)
-
-
-def _write_aside(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` (0600): temp file, fsync, rename, fsync the dir."""
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _drop_torn_tail(path: Path, fd: int, data: bytes, scan: _Scan) -> None:
-    """Keep a copy of the torn bytes, then truncate them away."""
-    aside = path.with_name(path.name + ".torn")
-    _write_aside(aside, data[scan.good :])
-    log.warning(
-        "journal %s: %s at byte %d (a write cut short by a crash); %d bytes after %d good "
-        "records copied to %s and dropped",
-        path,
-        scan.problem,
-        scan.good,
-        len(data) - scan.good,
-        scan.records,
-        aside,
-    )
-    os.ftruncate(fd, scan.good)
-    os.fsync(fd)
-
-
 class Journal:
     """Append-only reservation log. Methods are synchronous (they fsync): call them from
     a worker thread where blocking the event loop matters."""
@@ -382,7 +167,7 @@ class Journal:
         self,
         path: Path,
         fd: int,
-        state: _State,
+        state: LiveState,
         records: int,
         size: int,
         *,
@@ -429,16 +214,16 @@ class Journal:
             _check_safe(path, os.fstat(fd))
             with open(fd, "rb", closefd=False) as reader:
                 data = reader.read()
-            state = _State(retain_ended=retain_ended, retain_ended_s=retain_ended_s)
-            scan = _replay(data, state)
+            state = LiveState(retain_ended=retain_ended, retain_ended_s=retain_ended_s)
+            scan = scan_journal(data, state)
             if scan.problem is not None and not scan.torn:
                 raise JournalCorrupt(path, scan.good, scan.problem)
             if scan.torn:
-                _drop_torn_tail(path, fd, data, scan)
+                drop_torn_tail(path, fd, data, scan)
             elif not data and not created:
                 log.info("journal %s is empty: no reservations to recover", path)
             if created:
-                _fsync_dir(state_dir)
+                fsync_dir(state_dir)
         except BaseException:
             os.close(fd)
             raise
@@ -483,7 +268,7 @@ class Journal:
             return
         data = b"".join(framed for _record, framed in batch)
         try:
-            _write_all(self._fd, data)
+            write_all(self._fd, data)
             if self._durable:
                 os.fsync(self._fd)
         except OSError as exc:
@@ -577,7 +362,7 @@ class Journal:
         flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         new_fd = os.open(tmp, flags, 0o600)
         try:
-            _write_all(new_fd, b"".join(frame(r) for r in records))
+            write_all(new_fd, b"".join(frame(r) for r in records))
             os.fsync(new_fd)
             os.replace(tmp, self.path)
         except BaseException:
@@ -590,7 +375,7 @@ class Journal:
         self._size = os.fstat(new_fd).st_size
         self._partial = False  # the old file, partial tail and all, is gone
         os.close(old_fd)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
 
     def close(self) -> None:
         if self._fd >= 0:
