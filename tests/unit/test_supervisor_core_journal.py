@@ -285,3 +285,24 @@ async def test_a_process_end_journals_release_process_end_and_outcome_in_one_wri
         assert ending == [["ReleaseRecord", "ProcessEndedRecord", "EndedRecord"]]
         assert journal.reservations() == {} and journal.processes() == {}
         assert journal.ended("p") is not None
+
+
+async def test_an_unexpected_error_journaling_an_ending_still_ends_the_invocation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        group = rig.machine.group_commit
+        real = group.commit
+
+        async def commit(*records: Record, shield: bool = False) -> None:
+            if shield:  # the ending's records
+                raise RuntimeError("something unforeseen")
+            await real(*records, shield=shield)
+
+        monkeypatch.setattr(group, "commit", commit)
+        await rig.sup.submit(builtin("odd", "echo"))
+        assert await rig.wait_terminal("odd") is S.succeeded  # logged, not fatal
+        assert len(rig.machine.ledger) == 0
+        monkeypatch.setattr(group, "commit", real)
+        await rig.sup.submit(builtin("after", "echo"))
+        assert await rig.wait_terminal("after") is S.succeeded
