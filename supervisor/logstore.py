@@ -238,7 +238,10 @@ class LogStore:
     def _over_bounds(self, now: float) -> list[Path]:
         """Forget the ended logs past their retention, beyond MAX_KEPT or the total."""
         victims: list[Path] = []
-        for invocation_id, logs in list(self._ended.items()):
+        # Oldest first, stopping at the first that stays: an ending costs its victims
+        # plus one look, not a walk over every kept log.
+        while self._ended:
+            invocation_id, logs = next(iter(self._ended.items()))
             expired = (logs.ended_at or 0.0) + self.limits.retention_s <= now
             if not (expired or len(self._ended) > MAX_KEPT or self.total > self.limits.total_bytes):
                 break

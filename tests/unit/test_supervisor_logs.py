@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,29 @@ async def test_logs_past_their_retention_are_gone_at_start(tmp_path: Path) -> No
         os.utime(logs.path(stream), (long_ago, long_ago))
     again = await LogStore.open(tmp_path / "logs", LIMITS)
     assert again.find("stale") is None and not logs.path("stdout").exists()
+
+
+class _CountingOrder(OrderedDict[str, InvocationLogs]):
+    """The store's ended logs, counting how many entries its bounds look at."""
+
+    looked = 0
+
+    def items(self):  # type: ignore[no-untyped-def, override]
+        for item in super().items():
+            self.looked += 1
+            yield item
+
+
+async def test_an_ending_looks_only_at_the_oldest_kept_logs_not_all_of_them(
+    tmp_path: Path,
+) -> None:
+    limits = LogLimits(invocation_bytes=100, total_bytes=2**20, retention_s=3600)
+    store = await LogStore.open(tmp_path / "logs", limits)
+    counted = _CountingOrder()
+    store._ended = counted
+    for n in range(200):
+        logs = await _started(store, f"kept-{n}")
+        await logs.close()
+    # Nothing was over a bound: each ending looked at the oldest entry and stopped.
+    assert len(counted) == 200
+    assert counted.looked <= 200
