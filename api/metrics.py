@@ -177,10 +177,20 @@ class NodeMetrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
         )
+        self.lane_host_seconds = Histogram(
+            "litegraph_lane_host_seconds",
+            "Lane owner to lane host round trips inside lane work, by host request",
+            ["op"],
+            registry=self.registry,
+            buckets=(0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 1, 5, 30),
+        )
         # CPU seconds, resident memory, open and maximum descriptors, start time.
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.registry.register(_StateCollector(self))
+
+    def observe_lane_host(self, op: str, seconds: float) -> None:
+        self.lane_host_seconds.labels(op).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,9 +29,8 @@ from lanehost.protocol import (
     FrameReader,
     Reply,
     decode_request,
-    encode,
+    frame,
     frame_length,
-    joined,
 )
 from lanehost.state import LaneState
 
@@ -48,14 +47,14 @@ class _IdOnly(msgspec.Struct):
     id: int = 0
 
 
-def _read_exact(reader: FrameReader, n: int) -> bytearray:
+def _read_exact(reader: FrameReader, n: int) -> bytearray | memoryview:
     out, got = reader.start(n)
     while got < n:
         got = reader.read_into(out, got)
     return out
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -63,14 +62,14 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _send(fd: int, reply: Reply) -> None:
     try:
-        header, payload = encode(reply)
+        parts = frame(reply)
     except FrameError as exc:
-        header, payload = encode(ErrorReply(id=reply.id, code="kernel_failed", message=str(exc)))
-    for data in joined(header, payload):
+        parts = frame(ErrorReply(id=reply.id, code="kernel_failed", message=str(exc)))
+    for data in parts:
         _write_all(fd, data)
 
 
-def _answer(state: LaneState, payload: bytearray) -> Reply:
+def _answer(state: LaneState, payload: bytearray | memoryview) -> Reply:
     try:
         return state.handle(decode_request(payload))
     except msgspec.ValidationError as exc:

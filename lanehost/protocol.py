@@ -57,6 +57,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode",
+    "frame",
     "frame_length",
     "joined",
 ]
@@ -298,21 +299,38 @@ class FrameReader:
     A small read takes a whole chunk and keeps what is past the frame for the
     next one; a large one reads straight into the frame's own buffer. Blocking
     or not is the fd's: a non-blocking one raises BlockingIOError to wait on.
+
+    A large frame's buffer is kept for the next large frame (it is at most
+    MAX_FRAME_BYTES): a fresh one costs a page fault per page each time, which
+    was most of a large Read. So a large frame is a view that the next frame
+    overwrites; callers are done with it (decoded and copied out) by then.
     """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self._pending = bytearray()  # bytes read past the end of the last frame
+        self._large = bytearray()  # the buffer large frames are read into
 
-    def start(self, n: int) -> tuple[bytearray, int]:
+    @property
+    def pending(self) -> int:
+        """Bytes already read past the last frame."""
+        return len(self._pending)
+
+    def start(self, n: int) -> tuple[bytearray | memoryview, int]:
         """A buffer for n bytes, holding what is already here, and how many that is."""
-        out = bytearray(n)
+        out: bytearray | memoryview
+        if n < SMALL_READ:
+            out = bytearray(n)
+        else:
+            if len(self._large) < n:
+                self._large = bytearray(n)
+            out = memoryview(self._large)[:n]
         got = min(n, len(self._pending))
         out[:got] = self._pending[:got]
         del self._pending[:got]
         return out, got
 
-    def read_into(self, out: bytearray, got: int) -> int:
+    def read_into(self, out: bytearray | memoryview, got: int) -> int:
         """One read towards filling `out`; the new count of bytes in it."""
         view = memoryview(out)[got:]
         if len(view) >= SMALL_READ:
@@ -332,3 +350,24 @@ class FrameReader:
 def joined(header: bytes, payload: bytes) -> list[bytes]:
     """What to write for one frame: one write when small, no copy of a large payload."""
     return [header + payload] if len(payload) < SMALL_READ else [header, payload]
+
+
+_EMPTY_BIN = b"\xc4\x00"  # msgpack bin8 of length 0
+_BIN32 = struct.Struct(">BI")  # msgpack bin32: 0xc6, then the length
+
+
+def frame(message: Request | Reply) -> list[bytes | memoryview]:
+    """What to write for one frame; FrameError over the bound. A large `Write` or
+    `ReadReply` is not copied into its payload: the message is encoded with empty
+    data (its last field), whose bin header becomes a bin32 one, and the data
+    follows as a piece of its own. The bytes decode as `encode` would give them."""
+    if not isinstance(message, (Write, ReadReply)) or message.data.nbytes < SMALL_READ:
+        return list(joined(*encode(message)))
+    data = message.data.cast("B") if message.data.format != "B" else message.data
+    head = _encoder.encode(msgspec.structs.replace(message, data=memoryview(b"")))
+    assert head.endswith(_EMPTY_BIN), "data is the last field"
+    head = head[: -len(_EMPTY_BIN)] + _BIN32.pack(0xC6, data.nbytes)
+    length = len(head) + data.nbytes
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {length} bytes is over {MAX_FRAME_BYTES}")
+    return [HEADER.pack(length) + head, data]

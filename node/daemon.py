@@ -249,6 +249,7 @@ class Daemon:
             on_change=snapshots.mark_changed,
             guests=guests.policy,
             logs=logs,
+            on_lane_host_call=self.context.metrics.observe_lane_host,
         )
         await nursery.start(supervisor.run)
         if guests.socket is not None:

@@ -100,6 +100,7 @@ class Supervisor:
         on_change: Callable[[], None] = lambda: None,
         guests: GuestPolicy | None = None,
         logs: LogStore | None = None,
+        on_lane_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
     ) -> None:
         self.machine = machine
         # Every invocation's stdout and stderr on disk; None keeps only the status's tail.
@@ -136,6 +137,7 @@ class Supervisor:
                 usable=machine.ledger.available,
                 on_fault=self._lane_faulted,
                 on_host_failed=self._lane_host_failed,
+                on_host_call=on_lane_host_call,
             )
             for lane in machine.ledger.lanes()
         }

@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 import msgspec
 import trio
@@ -47,6 +49,8 @@ from supervisor.lane_work import (
 __all__ = ["LaneBusy", "LaneOwner", "LaneWorkError"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # The host's refusals as the edge answers them; anything else is the caller's args (422).
 _HOST_CODES = {
@@ -101,6 +105,7 @@ class LaneOwner:
         usable: Callable[[str], bool],
         on_fault: Callable[[str], None],
         on_host_failed: Callable[[str, Iterable[str]], None] = lambda _lane, _subs: None,
+        on_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
         share: int = 8,
         max_queued_invocations: int = 1024,
         max_buffers: int = 4096,
@@ -114,6 +119,7 @@ class LaneOwner:
         self._usable = usable
         self._on_fault = on_fault
         self._on_host_failed = on_host_failed
+        self._on_host_call = on_host_call
         self.share = share  # jobs one invocation may have queued on this lane
         self._queue = FairQueue[_Job](share=share, max_keys=max_queued_invocations)
         self._buffers: dict[str, _Buffer] = {}
@@ -211,7 +217,7 @@ class LaneOwner:
         if not buffer_ids or host is None:
             return
         try:
-            await host.free_all(buffer_ids)
+            await self._host_call("free_all", host.free_all(buffer_ids))
         except (LaneHostError, LaneHostFailed) as exc:
             log.error(
                 "lane %s: freeing %d buffers failed: %s", self.lane.lane_id, len(buffer_ids), exc
@@ -328,11 +334,15 @@ class LaneOwner:
             job.reply = await self._release(reply, work.buffer_id)
         elif isinstance(work, Upload):
             self._own(sub, work.buffer_id)
-            written = await host.write(work.buffer_id, work.offset, work.data)
+            written = await self._host_call(
+                "write", host.write(work.buffer_id, work.offset, work.data)
+            )
             job.reply = _replace(reply, buffer_id=work.buffer_id, result={"nbytes": written})
         elif isinstance(work, Download):
             self._own(sub, work.buffer_id)
-            job.data = await host.read(work.buffer_id, work.offset, work.length)
+            job.data = await self._host_call(
+                "read", host.read(work.buffer_id, work.offset, work.length)
+            )
             job.reply = reply
         else:
             job.reply = _replace(reply, result=await self._execute(host, sub, work))
@@ -342,10 +352,19 @@ class LaneOwner:
             self._own(sub, buffer_id)
         if not self._usable(self.lane.lane_id):
             raise KernelError("lane_unhealthy", "the lane is not healthy")
-        result = await host.run(work.kernel, work.args, work.buffers)
+        result = await self._host_call("run", host.run(work.kernel, work.args, work.buffers))
         if not self._usable(self.lane.lane_id):  # a fault reached the lane while it ran
             raise KernelError("lane_unhealthy", "the lane failed while the work ran")
         return dict(result)
+
+    async def _host_call(self, op: str, call: Awaitable[_T]) -> _T:
+        """Await one host request, reporting how long the owner waited for it:
+        the host hop's share of lane work, seen from where it is paid."""
+        started = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self._on_host_call(op, time.perf_counter() - started)
 
     def _own(self, sub: str, buffer_id: str) -> None:
         buffer = self._buffers.get(buffer_id)
@@ -364,7 +383,7 @@ class LaneOwner:
         if len(self._buffers) >= self._max_buffers:
             raise LaneWorkError(429, "too_many_buffers", "the lane holds too many buffers")
         buffer_id = "buf_" + secrets.token_hex(16)
-        await host.alloc(buffer_id, work.dtype, work.shape)
+        await self._host_call("alloc", host.alloc(buffer_id, work.dtype, work.shape))
         self._buffers[buffer_id] = _Buffer(reply.invocation_id, nbytes)
         held = self._held[reply.invocation_id] = self._held.get(reply.invocation_id, 0) + nbytes
         return _replace(reply, buffer_id=buffer_id, bytes_held=held)

@@ -118,6 +118,8 @@ async def test_metrics_lane_work_label_is_the_snake_case_op(tmp_path: pathlib.Pa
         assert work.status_code == 200, work.text
         text = (await client.get("/metrics")).text
         assert 'litegraph_lane_work_seconds_count{op="execute"} 1.0' in text
+        # The host hop inside it, as the lane owner waited for it.
+        assert 'litegraph_lane_host_seconds_count{op="run"} 1.0' in text
 
 
 async def test_metrics_auth_requires_an_operator_credential(tmp_path: pathlib.Path) -> None:
