@@ -251,6 +251,8 @@ class Daemon:
             logs=logs,
             on_lane_host_call=self.context.metrics.observe_lane_host,
         )
+        self.readiness.check("lane_hosts", supervisor.lane_hosts_problem)
+        self.readiness.check_note("lane_hosts", supervisor.faulted_lanes)
         await nursery.start(supervisor.run)
         if guests.socket is not None:
             nursery.start_soon(serve_unix, self._app, self.context.http, guests.socket, self.stop)

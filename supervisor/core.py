@@ -72,6 +72,7 @@ GPU_OPS = frozenset(LaneOp)  # reserve, release, write, read, execute
 CPU_OPS = frozenset({LaneOp.EXECUTE})
 FAILED_STATES = frozenset({HealthState.UNHEALTHY, HealthState.LOST})
 EXCLUSIVE = frozenset({Isolation.DEDICATED, Isolation.PARTITIONED})
+_PROBLEM_CHARS = 200  # of a restarting host's last failure, per lane, in /readyz
 
 
 class UnknownInvocation(KeyError):
@@ -96,6 +97,7 @@ class Supervisor:
         kill_grace: float = 5.0,
         cleanup_deadline: float = 30.0,
         lane_work_deadline: float = 120.0,
+        lane_host_start_wait: float = 60.0,
         retain_ended: int = 1024,
         on_change: Callable[[], None] = lambda: None,
         guests: GuestPolicy | None = None,
@@ -116,6 +118,7 @@ class Supervisor:
         self.kill_grace = kill_grace
         self.cleanup_deadline = cleanup_deadline
         self.lane_work_deadline = lane_work_deadline
+        self.lane_host_start_wait = lane_host_start_wait
         self._retain = retain_ended
         self._on_change = on_change
         self._slots = trio.Semaphore(max_running)
@@ -150,6 +153,11 @@ class Supervisor:
                 for owner in self.owners.values():
                     nursery.start_soon(owner.run)
                 await self._remember_restart_endings()
+                # Ready once every lane's host has answered its hello (or failed to, and
+                # is being restarted: lane_hosts_problem says so); each start is bounded.
+                with trio.move_on_after(self.lane_host_start_wait):
+                    for owner in self.owners.values():
+                        await owner.first_start.wait()
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -397,6 +405,23 @@ class Supervisor:
             NodeEvent(kind=EventKind.lane, at=utc_now(), lane_id=lane_id, to_state="unhealthy")
         )
         self._on_change()
+
+    def lane_hosts_problem(self) -> str | None:
+        """Lanes whose host has not answered its hello yet, or not again since it
+        failed: the node is not ready while one is on its way (for /readyz)."""
+        waiting = [
+            f"{lane_id} ({owner.host_status}{': ' if owner.host_problem else ''}"
+            f"{owner.host_problem[:_PROBLEM_CHARS]})"
+            for lane_id, owner in sorted(self.owners.items())
+            if owner.host_status in ("starting", "restarting")
+        ]
+        return "waiting for lane hosts: " + "; ".join(waiting) if waiting else None
+
+    def faulted_lanes(self) -> str | None:
+        """Lanes whose host failed too often and are out of service (a note: the
+        other lanes still serve)."""
+        faulted = sorted(lane_id for lane_id, owner in self.owners.items() if owner.faulted)
+        return "lane hosts failed too often: " + ", ".join(faulted) if faulted else None
 
     def _lane_host_failed(self, lane_id: str, holders: Iterable[str]) -> None:
         """A lane host died with their buffers: nothing they computed there is left."""

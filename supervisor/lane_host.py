@@ -15,6 +15,7 @@ SIGKILL, so a daemon killed with SIGKILL takes its hosts with it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -91,6 +92,7 @@ class LaneHostFailed(Exception):
         super().__init__(f"lane host {lane_id}: {reason}: {message}")
         self.lane_id = lane_id
         self.reason: FailureReason = reason
+        self.message = message
 
 
 class LaneHostError(Exception):
@@ -450,6 +452,29 @@ class LaneHost:
                 os.killpg(self._popen.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    async def wait_exited(self) -> None:
+        """Return once the host's process has exited, however it ended (at once if it
+        never started). It neither reaps nor kills: a watcher beside the conversation,
+        waiting on its own copy of the pidfd, which `_end` may close meanwhile."""
+        popen = self._popen
+        if popen is None or popen.returncode is not None:
+            return
+        if self._pidfd is None:
+            with contextlib.suppress(ChildProcessError):  # reaped meanwhile: gone
+                await trio.to_thread.run_sync(
+                    os.waitid,
+                    os.P_PID,
+                    popen.pid,
+                    os.WEXITED | os.WNOWAIT,
+                    abandon_on_cancel=True,
+                )
+            return
+        fd = os.dup(self._pidfd)
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
 
     async def _wait_exit(self) -> None:
         if self._popen is None:

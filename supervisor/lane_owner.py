@@ -133,6 +133,12 @@ class LaneOwner:
         self.stopped = False
         self._host: LaneDevice | None = None
         self._current: _Job | None = None
+        # Where the host stands, for readiness: starting, ready, restarting, faulted, stopped.
+        self.host_status = "starting"
+        self.host_problem = ""  # why it is restarting
+        self.first_start = trio.Event()  # the first host answered its hello, or failed to
+        self._exited: LaneDevice | None = None  # a host seen to exit on its own
+        self._idle: trio.CancelScope | None = None  # set while waiting for work
 
     # -- what other tasks call ------------------------------------------------------
     def identify(self, token: str) -> Claims:
@@ -226,31 +232,55 @@ class LaneOwner:
     # -- the owner task ---------------------------------------------------------------
     async def run(self) -> None:
         """Start the lane's host and serve until cancelled, restarting owner and host
-        after a crash or a host failure with bounded intensity."""
+        after a crash or a host failure with bounded intensity. Each host's process
+        is watched beside the work, so one that dies while idle is replaced at once."""
+        async with trio.open_nursery() as watchers:
+            await self._supervise(watchers)
+            watchers.cancel_scope.cancel()
+
+    async def _supervise(self, watchers: trio.Nursery) -> None:
         try:
             while True:
                 try:
-                    await self._serve()
+                    await self._serve(watchers)
                 except LaneHostFailed as exc:
                     log.error("lane %s: %s", self.lane.lane_id, exc)
+                    self._restarting(f"{exc.reason}: {exc.message}")
                     await self._lose_host()
-                except Exception:
+                except Exception as exc:
                     log.exception("lane owner %s crashed", self.lane.lane_id)
+                    self._restarting(f"the lane owner crashed: {exc!r}")
                     await self._lose_host()
                 now = trio.current_time()
                 self.restarts.append(now)
                 recent = [t for t in self.restarts if now - t <= self._window]
                 if len(recent) > self._max_restarts:
                     self.faulted = True
+                    self.host_status = "faulted"
                     self._on_fault(self.lane.lane_id)
                     self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
                     return
         finally:
             # Cancelled (shutdown): nobody will serve what is queued; answer it now.
             self.stopped = True
+            if not self.faulted:
+                self.host_status = "stopped"
+            self.first_start.set()
             self._refuse_queued("shutting_down", "the lane owner stopped")
             with trio.CancelScope(shield=True):
                 await self._close_host()
+
+    def _restarting(self, problem: str) -> None:
+        self.host_status, self.host_problem = "restarting", problem
+        self.first_start.set()
+
+    async def _watch(self, host: LaneDevice) -> None:
+        """Notice the host's process exiting on its own, even with no work for it."""
+        await host.wait_exited()
+        if self._host is host:
+            self._exited = host
+            if self._idle is not None:
+                self._idle.cancel()  # the owner waits for work: wake it to replace the host
 
     async def _close_host(self) -> None:
         host, self._host = self._host, None
@@ -277,12 +307,22 @@ class LaneOwner:
             job.error = LaneWorkError(503, code, message)
             job.done.set()
 
-    async def _serve(self) -> None:
+    async def _serve(self, watchers: trio.Nursery) -> None:
         host = self._host = self._host_factory(self.lane)
         self.host_starts += 1
         await host.start()
+        self.host_status, self.host_problem = "ready", ""
+        self.first_start.set()
+        watchers.start_soon(self._watch, host)
         while True:
-            job = await self._queue.get()
+            if self._exited is host:
+                raise LaneHostFailed(self.lane.lane_id, "crashed", "the lane host exited")
+            with trio.CancelScope() as idle:
+                self._idle = idle
+                job = await self._queue.get()
+            self._idle = None
+            if idle.cancelled_caught:
+                continue  # the watcher saw the host exit
             self._current = job
             try:
                 await self._handle(host, job)

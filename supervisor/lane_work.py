@@ -162,6 +162,9 @@ class LaneDevice(Protocol):
 
     async def aclose(self) -> None: ...
 
+    async def wait_exited(self) -> None:
+        """Return once the host's process has ended, whoever ended it."""
+
     async def alloc(self, buffer_id: str, dtype: str, shape: Sequence[int]) -> int: ...
 
     async def free(self, buffer_id: str) -> int: ...

@@ -2,7 +2,8 @@
 the test's own process, plus kernels that take (mock-clock) time or misbehave.
 
 `sleep` waits `seconds` of trio time, `boom` raises what no kernel should (the
-owner crashes), `crash` makes the host fail like a dead process.
+owner crashes), `crash` makes the host fail like a dead process. `die()` ends
+a host as if its process exited while idle.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class InProcessHost:
         self.dead = False
         self.closed = False
         self._ids = 0
+        self._exited = trio.Event()
 
     async def _call(self, request: Request, expected: type[_R]) -> _R:
         await trio.lowlevel.checkpoint()
@@ -69,6 +71,14 @@ class InProcessHost:
 
     async def aclose(self) -> None:
         self.closed = True
+        self._exited.set()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+    def die(self) -> None:
+        self.dead = True
+        self._exited.set()
 
     async def alloc(self, buffer_id: str, dtype: str, shape: Sequence[int]) -> int:
         msg = Alloc(id=1, buffer_id=buffer_id, dtype=dtype, shape=tuple(shape))  # type: ignore[arg-type]
@@ -97,7 +107,7 @@ class InProcessHost:
         if kernel == "boom":
             raise RuntimeError("a kernel that should never raise did")
         if kernel == "crash":
-            self.dead = True
+            self.die()
             raise LaneHostFailed(self.lane_id, "crashed", "the lane host died")
         msg = Run(id=1, kernel=kernel, args=dict(args), buffers=dict(buffers))
         return (await self._call(msg, RunReply)).result

@@ -20,6 +20,7 @@ class Readiness:
         self._reasons: dict[str, str] = {}
         self._notes: dict[str, str] = {}
         self._checks: dict[str, Callable[[], str | None]] = {}
+        self._note_checks: dict[str, Callable[[], str | None]] = {}
 
     def done(self, step: str) -> None:
         self._pending.pop(step, None)
@@ -38,8 +39,13 @@ class Readiness:
         """Worth knowing, not blocking (no NVML on a CPU-only node in `auto` mode)."""
         self._notes[key] = text
 
+    def check_note(self, key: str, note: Callable[[], str | None]) -> None:
+        """A note while `note()` returns one (cheap, no I/O), asked on every read."""
+        self._note_checks[key] = note
+
     def notes(self) -> dict[str, str]:
-        return dict(self._notes)
+        live = {key: note() for key, note in self._note_checks.items()}
+        return {**self._notes, **{key: text for key, text in live.items() if text is not None}}
 
     @property
     def ready(self) -> bool:

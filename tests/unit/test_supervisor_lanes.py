@@ -512,6 +512,42 @@ async def test_a_crashed_host_cancels_its_holders_and_is_replaced(
         rig.assert_released("holder", response.tokens)
 
 
+async def test_a_host_that_dies_idle_is_replaced_at_once_without_a_request(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        hosts = rig.hosts
+        assert isinstance(hosts, InProcessHosts)
+        response = await rig.sup.submit(gpu_work("holder"))
+        lane_id, holder = only_lane(response)
+        await rig.sup.lane_work(lane_id, holder, MemoryReserve(dtype="float32", shape=[1024]))
+        owner = rig.sup.owners[lane_id]
+        assert owner.used_bytes == 4096 and rig.sup.lane_hosts_problem() is None
+        hosts.current(lane_id).die()  # its process exits; nobody asks the lane anything
+        assert await rig.wait_terminal("holder") is S.cancelled
+        assert rig.sup.get("holder").reason == "lane_host_failed"
+        assert owner.used_bytes == 0 and owner.host_starts == 2 and len(owner.restarts) == 1
+        assert owner.host_status == "ready" and rig.sup.lane_hosts_problem() is None
+        assert "host_restarted" in [e.to_state for e in rig.seen if e.lane_id == lane_id]
+        rig.assert_released("holder", response.tokens)
+
+
+async def test_hosts_dying_idle_count_against_the_restart_limit(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        hosts = rig.hosts
+        assert isinstance(hosts, InProcessHosts)
+        lane_id, _ = only_lane(await rig.sup.submit(gpu_work("g")))
+        owner = rig.sup.owners[lane_id]
+        for _ in range(6):  # the default limit: more than 5 restarts within the window
+            hosts.current(lane_id).die()
+            await trio.testing.wait_all_tasks_blocked()
+        assert owner.faulted and owner.host_starts == 6 and owner.host_status == "faulted"
+        assert rig.sup.lane_hosts_problem() is None  # out of service, not on its way back
+        assert rig.sup.faulted_lanes() == f"lane hosts failed too often: {lane_id}"
+
+
 async def test_another_invocations_buffer_cannot_be_used_in_any_way(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:

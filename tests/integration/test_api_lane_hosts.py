@@ -1,0 +1,134 @@
+"""Real lane host processes behind a running daemon: readiness waits for every
+host's hello, and a host that dies while idle is noticed and replaced at once."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pathlib
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import trio
+
+from node.daemon import Daemon
+from supervisor.lane_host import LaneHost
+from supervisor.lane_owner import LaneOwner
+from tests.api_fixtures import bearer, daemon_config, running_daemon
+from tests.integration.test_api_lanes import gpu_request, submit
+from tests.lanehost_fixtures import wait_gone
+
+TERMINAL = {"succeeded", "failed", "cancelled", "timed_out"}
+
+# A host that waits for the gate file to exist, then becomes the real one.
+GATED_HOST = """
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+os.execv(sys.executable, [sys.executable, "-P", "-m", "lanehost", *sys.argv[2:]])
+"""
+
+
+async def _until(check: Callable[[], Any], seconds: float = 30.0) -> Any:
+    """Poll `check()` (awaited if it is a coroutine) until it returns something truthy."""
+    with trio.fail_after(seconds):
+        while True:
+            found = check()
+            if inspect.isawaitable(found):
+                found = await found
+            if found:
+                return found
+            await trio.sleep(0.05)
+
+
+def _host_pid(owner: LaneOwner) -> int | None:
+    host = owner._host
+    return host.pid if isinstance(host, LaneHost) and host.running else None
+
+
+async def test_a_host_killed_while_idle_is_replaced_and_its_holders_cancelled(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        lane, token = next(
+            iter((await submit(client, node, gpu_request("holder")))["tokens"].items())
+        )
+        reserve = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]},
+            headers=bearer(token),
+        )
+        assert reserve.status_code == 200, reserve.text
+        sup = node.daemon.supervisor
+        assert sup is not None
+        owner = sup.owners[lane]
+        first = _host_pid(owner)
+        assert first is not None and owner.used_bytes == 2**20
+        os.kill(first, signal.SIGKILL)  # idle: nothing is asked of the lane after this
+
+        async def ended() -> Any:
+            found = await client.get("/v1/invocations/holder", headers=bearer(node.scheduler))
+            return found.json() if found.json()["state"] in TERMINAL else None
+
+        status = await _until(ended)
+        assert (status["state"], status["reason"]) == ("cancelled", "lane_host_failed")
+        replaced = await _until(lambda: _host_pid(owner) not in (None, first))
+        assert replaced and owner.host_starts == 2 and owner.free_bytes == owner.lane.vram_bytes
+        assert await wait_gone(first)
+        assert (await client.get("/readyz")).status_code == 200
+
+
+async def test_readyz_waits_for_every_lane_host_and_names_one_restarting(
+    tmp_path: pathlib.Path,
+) -> None:
+    gate = tmp_path / "gate"
+    script = tmp_path / "gated_host.py"
+    script.write_text(GATED_HOST)
+    command = json.dumps([sys.executable, str(script), str(gate)])
+    daemon = Daemon(daemon_config(tmp_path, "--lane-host-command", command), handle_signals=False)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(daemon.run)
+        try:
+            await _until(lambda: daemon.url and daemon.supervisor is not None)
+            sup = daemon.supervisor
+            assert sup is not None
+            async with httpx.AsyncClient(base_url=daemon.url, timeout=10) as client:
+                # No host has answered its hello: not ready, every lane named.
+                waiting = await client.get("/readyz")
+                assert waiting.status_code == 503
+                reason = waiting.json()["error"]["details"]["reasons"]["lane_hosts"]
+                for lane_id in sup.owners:
+                    assert f"{lane_id} (starting)" in reason
+                gate.touch()
+
+                async def ready() -> bool:
+                    return (await client.get("/readyz")).status_code == 200
+
+                await _until(ready)
+                # One host dies and its replacement is slow to greet: named as restarting.
+                gate.unlink()
+                lane_id, owner = next(iter(sorted(sup.owners.items())))
+                pid = _host_pid(owner)
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+
+                async def restarting() -> Any:
+                    reply = await client.get("/readyz")
+                    return reply if reply.status_code == 503 else None
+
+                reply = await _until(restarting)
+                reason = reply.json()["error"]["details"]["reasons"]["lane_hosts"]
+                assert f"{lane_id} (restarting: crashed" in reason
+                assert all(other not in reason for other in sup.owners if other != lane_id)
+                gate.touch()
+                await _until(ready)
+        finally:
+            daemon.stop.set()
+            nursery.cancel_scope.deadline = trio.current_time() + 30
