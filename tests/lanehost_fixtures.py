@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 import textwrap
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import pytest
 import trio
@@ -34,6 +36,53 @@ async def wait_gone(pid: int, seconds: float = 10.0) -> bool:
 @pytest.fixture
 async def host() -> AsyncIterator[LaneHost]:
     async with LaneHost("lane_test", BUDGET, backend="numpy", op_timeout=10.0) as started:
+        yield started
+
+
+@functools.cache
+def cuda_device() -> tuple[str | None, str]:
+    """(the UUID of the first CUDA GPU, or None; why there is none)."""
+    try:
+        import cupy  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None, "needs CuPy (pip install 'litegraph-node[cuda]'); it is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None, "needs a CUDA GPU; CuPy sees none"
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception as exc:
+        return None, f"needs a CUDA GPU; CuPy or NVML cannot open one: {exc!r}"
+    return (uuid.decode() if isinstance(uuid, bytes) else str(uuid)), ""
+
+
+def _cupy_skip() -> pytest.MarkDecorator:
+    uuid, reason = cuda_device()
+    return pytest.mark.skipif(uuid is None, reason=reason)
+
+
+@pytest.fixture(
+    params=[
+        "numpy",
+        pytest.param("cupy", marks=[pytest.mark.cuda, _cupy_skip()]),
+    ]
+)
+def device_backend(request: pytest.FixtureRequest) -> str:
+    """The lane host backends a kernel test runs on: NumPy, and CuPy on a GPU."""
+    return str(request.param)
+
+
+@pytest.fixture
+async def device_host(device_backend: str) -> AsyncIterator[LaneHost]:
+    """A real host on `device_backend`: on CuPy, a CUDA lane of the first GPU."""
+    uuid, _ = cuda_device()
+    devices = [uuid] if device_backend == "cupy" and uuid is not None else []
+    backend: Literal["numpy", "cupy"] = "cupy" if device_backend == "cupy" else "numpy"
+    async with LaneHost(
+        "lane_test", BUDGET, backend=backend, visible_devices=devices, op_timeout=10.0
+    ) as started:
         yield started
 
 

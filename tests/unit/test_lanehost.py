@@ -1,7 +1,9 @@
 """The lane host over its pipes: handshake, budget, bytes in and out, kernels vs NumPy.
 
 Every test talks to a real `python -m lanehost` subprocess through the owner's
-client, `supervisor.lane_host.LaneHost`.
+client, `supervisor.lane_host.LaneHost`, once per backend: NumPy everywhere,
+and CuPy on a CUDA lane where CuPy and a GPU are present (marked `cuda`,
+skipped with the reason elsewhere).
 """
 
 from __future__ import annotations
@@ -11,9 +13,16 @@ import pytest
 
 from lanehost.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from supervisor.lane_host import LaneHost, LaneHostError
-from tests.lanehost_fixtures import BUDGET, host
+from tests.lanehost_fixtures import BUDGET, cuda_device, device_backend, device_host
 
-__all__ = ["host"]
+__all__ = ["device_backend", "device_host"]
+
+
+@pytest.fixture
+async def host(device_host: LaneHost) -> LaneHost:
+    """Every test here runs on each backend."""
+    return device_host
+
 
 RNG = np.random.default_rng(7)
 
@@ -35,10 +44,16 @@ async def refused(code: str, call: object) -> LaneHostError:
     return caught.value
 
 
-async def test_handshake_names_version_backend_budget_and_kernels(host: LaneHost) -> None:
+async def test_handshake_names_version_backend_budget_and_kernels(
+    host: LaneHost, device_backend: str
+) -> None:
     hello = host.hello
     assert hello.version == PROTOCOL_VERSION == 1
-    assert (hello.backend, hello.device, hello.memory_total) == ("numpy", "host", BUDGET)
+    assert (hello.backend, hello.memory_total) == (device_backend, BUDGET)
+    if device_backend == "numpy":
+        assert hello.device == "host"
+    else:
+        assert str(cuda_device()[0]) in hello.device
     assert {"noop", "fill", "copy", "axpy", "matmul", "sum"} <= set(hello.kernels)
     stats = await host.stats()
     assert (stats.used, stats.free, stats.total, stats.buffers) == (0, BUDGET, BUDGET, 0)
@@ -209,46 +224,3 @@ async def test_a_write_over_the_frame_bound_is_refused_before_sending(host: Lane
     await host.alloc("a", "uint8", (16,))
     await refused("bad_args", host.write("a", 0, bytes(MAX_FRAME_BYTES + 1)))
     assert await host.read("a", 0, 16) == bytes(16)  # the host is still in service
-
-
-def _cuda_device() -> str | None:
-    """The UUID of the first CUDA GPU, when CuPy and a GPU are both here."""
-    try:
-        import cupy  # type: ignore[import-not-found,unused-ignore]
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None
-        import pynvml
-
-        pynvml.nvmlInit()
-        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
-        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-    except Exception:
-        return None
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(_cuda_device() is None, reason="needs CuPy and a CUDA GPU; none here")
-async def test_the_cupy_backend_matches_numpy() -> None:
-    device = _cuda_device()
-    assert device is not None
-    lane = LaneHost("lane_gpu", 1 << 24, backend="cupy", visible_devices=[device])
-    async with lane:
-        assert lane.hello.backend == "cupy" and device in lane.hello.device
-        for dtype, rtol in [("float32", 1e-4), ("float16", 1e-2)]:
-            a = RNG.standard_normal((64, 32)).astype(dtype)
-            b = RNG.standard_normal((32, 16)).astype(dtype)
-            await put(lane, f"a{dtype}", a)
-            await put(lane, f"b{dtype}", b)
-            await lane.alloc(f"o{dtype}", dtype, (64, 16))
-            names = {"a": f"a{dtype}", "b": f"b{dtype}", "out": f"o{dtype}"}
-            await lane.run("matmul", buffers=names)
-            got = await get(lane, f"o{dtype}", dtype, (64, 16))
-            np.testing.assert_allclose(
-                got.astype("f8"), a.astype("f8") @ b.astype("f8"), rtol=rtol, atol=rtol * 10
-            )
-        x = RNG.standard_normal(1000).astype("f4")
-        await put(lane, "x", x)
-        assert (await lane.run("sum", buffers={"x": "x"}))["value"] == pytest.approx(
-            float(x.astype("f8").sum()), rel=1e-5
-        )
