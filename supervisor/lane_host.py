@@ -62,6 +62,7 @@ from lanehost.protocol import (
 from node.machine.lanes import Lane
 from supervisor.identity import drop_capabilities
 from supervisor.process import DEVICE_ENV_NAMES, ENV_ALLOW_LIST
+from supervisor.spawn import popen
 
 __all__ = [
     "DEFAULT_COMMAND",
@@ -225,7 +226,7 @@ class LaneHost:
         async with self._lock:
             if self._popen is not None or self._closed:
                 raise RuntimeError("a LaneHost starts once")
-            self._spawn()
+            await self._spawn()
             hello = Hello(id=self._next_id(), version=PROTOCOL_VERSION)
             try:
                 reply = await self._exchange(hello, HelloReply, self._start_timeout)
@@ -245,14 +246,14 @@ class LaneHost:
             )
             return reply
 
-    def _spawn(self) -> None:
-        # Popen runs here, in the trio thread, on purpose: PR_SET_PDEATHSIG fires
-        # when the *thread* that forked the child ends, and trio's own spawn runs
-        # in a worker thread that exits once idle, which would kill the host.
+    async def _spawn(self) -> None:
+        # On the daemon's fork thread, as guests are (supervisor/spawn.py):
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends,
+        # and that thread lives as long as the daemon.
         child_in, to_host = os.pipe()
         from_host, child_out = os.pipe()
         try:
-            self._popen = subprocess.Popen(
+            self._popen = await popen(
                 self._argv,
                 stdin=child_in,
                 stdout=child_out,
@@ -260,15 +261,16 @@ class LaneHost:
                 start_new_session=True,  # its own process group, away from terminal signals
                 preexec_fn=_die_with_parent(os.getpid()),
             )
-        except OSError as exc:
-            for fd in (child_in, to_host, from_host, child_out):
-                os.close(fd)
+        except BaseException as exc:
+            os.close(to_host)
+            os.close(from_host)
             self._closed = True
-            raise LaneHostFailed(self.lane_id, "start_failed", repr(exc)) from exc
+            if isinstance(exc, (OSError, subprocess.SubprocessError)):
+                raise LaneHostFailed(self.lane_id, "start_failed", repr(exc)) from exc
+            raise
         finally:
-            if self._popen is not None:
-                os.close(child_in)
-                os.close(child_out)
+            os.close(child_in)
+            os.close(child_out)
         for fd in (to_host, from_host):
             _widen_pipe(fd)
             os.set_blocking(fd, False)

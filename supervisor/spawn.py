@@ -1,11 +1,11 @@
-"""Forking guests from one thread that lives as long as the daemon.
+"""Forking guests and lane hosts from one thread that lives as long as the daemon.
 
 A child's parent-death signal (bwrap's `--die-with-parent`, PR_SET_PDEATHSIG)
 fires when the *thread* that forked it exits, not the process. trio forks in
 its worker threads, which retire after ten idle seconds, so a sandboxed guest
 was killed ten seconds after the node went quiet. Here every fork happens on
-one thread started once and never ended while the daemon runs: a guest dies
-with the daemon, and only then.
+one thread started once and never ended while the daemon runs: a child dies
+with the daemon, and only then, and the fork never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import outcome
 import trio
 
-__all__ = ["Child", "spawn"]
+__all__ = ["Child", "popen", "spawn"]
 
 _Job = tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]]
 
@@ -113,6 +113,15 @@ class Child:
         await trio.aclose_forcefully(self.stderr)
 
 
+async def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen(argv, **kwargs)` on the fork thread. A fork under way
+    completes even if the caller is cancelled, so its child is never lost."""
+    child: subprocess.Popen[bytes] = await _FORKER.run(
+        functools.partial(subprocess.Popen, list(argv), **kwargs)
+    )
+    return child
+
+
 async def spawn(
     argv: Sequence[str],
     *,
@@ -125,18 +134,15 @@ async def spawn(
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     try:
-        popen: subprocess.Popen[bytes] = await _FORKER.run(
-            functools.partial(
-                subprocess.Popen,
-                list(argv),
-                stdin=stdin,
-                stdout=out_write,
-                stderr=err_write,
-                env=dict(env),
-                cwd=cwd,
-                start_new_session=True,
-                preexec_fn=preexec_fn,
-            )
+        child = await popen(
+            argv,
+            stdin=stdin,
+            stdout=out_write,
+            stderr=err_write,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
         )
     except BaseException:
         os.close(out_read)
@@ -145,4 +151,4 @@ async def spawn(
     finally:
         os.close(out_write)
         os.close(err_write)
-    return Child(popen, trio.lowlevel.FdStream(out_read), trio.lowlevel.FdStream(err_read))
+    return Child(child, trio.lowlevel.FdStream(out_read), trio.lowlevel.FdStream(err_read))

@@ -29,6 +29,7 @@ from lanehost.protocol import (
     frame_length,
 )
 from supervisor.lane_host import LaneHost, LaneHostFailed, host_environment
+from supervisor.spawn import spawn
 from tests.lanehost_fixtures import BUDGET, HELLO_THEN, fake_host, host, process_gone, wait_gone
 
 __all__ = ["host"]
@@ -310,17 +311,25 @@ async def test_modules_planted_in_the_working_directory_are_not_imported(
     assert not marker.exists()
 
 
-async def test_the_host_is_forked_from_the_trio_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_hosts_and_guests_are_forked_from_the_one_long_lived_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # PR_SET_PDEATHSIG follows the forking thread: a worker thread that exits
-    # when idle would take the host with it.
-    threads: list[int] = []
+    # when idle would take the host with it. Hosts and guests share the
+    # daemon's fork thread, which never ends while the daemon runs.
+    threads: list[threading.Thread] = []
     real_popen = subprocess.Popen
 
     def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
-        threads.append(threading.get_ident())
+        threads.append(threading.current_thread())
         return real_popen(*args, **kwargs)
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     async with LaneHost("lane_test", BUDGET, backend="numpy"):
         pass
-    assert threads == [threading.get_ident()]
+    child = await spawn(["true"], stdin=subprocess.DEVNULL, env={}, cwd=None, preexec_fn=None)
+    assert await child.wait() == 0
+    await child.aclose()
+    host_thread, guest_thread = threads
+    assert host_thread is guest_thread and host_thread.name == "litegraph-fork"
+    assert host_thread is not threading.current_thread() and host_thread.is_alive()
