@@ -11,6 +11,7 @@ With `sign` (the daemon always gives one), every attempt carries a fresh
 signature of the exact body in the `Litegraph-Signature` header (a new nonce
 and window each time; see `capabilities.push_signature` and
 docs/telemetry.md), so the scheduler can tell this node from an impostor.
+With `bearer`, every attempt also carries `Authorization: Bearer <bearer>`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class TelemetryPusher:
         *,
         node_id: str,
         sign: Callable[[bytes], str] | None = None,
+        bearer: str | None = None,
         request_timeout: float = 5.0,
         max_backoff: float = 60.0,
         rng: random.Random | None = None,
@@ -48,6 +50,7 @@ class TelemetryPusher:
         self._snapshot = snapshot
         self._node_id = node_id
         self._sign = sign
+        self._bearer = bearer
         self._timeout = request_timeout
         self._max_backoff = max_backoff
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not a secret
@@ -70,6 +73,8 @@ class TelemetryPusher:
         headers = {"content-type": "application/json", "x-node-id": self._node_id}
         if self._sign is not None:
             headers[SIGNATURE_HEADER] = self._sign(body)
+        if self._bearer is not None:
+            headers["authorization"] = f"Bearer {self._bearer}"
         try:
             with trio.fail_after(self._timeout):
                 reply = await client.post(self.url, content=body, headers=headers)

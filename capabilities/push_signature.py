@@ -14,6 +14,11 @@ signature, and a push signature is never a capability token.
 published keys, signature, claims, issuer, audience, window, body digest,
 and a nonce seen before (a replay). It refuses with a typed `PushRefusal`,
 and remembers at most `max_nonces` nonces, each only until its token expires.
+
+A scheduler may also hand each node a bearer credential (`read_bearer_file`,
+`--telemetry-bearer-file`), sent as `Authorization: Bearer` beside the
+signature: it admits a push before any key is fetched, and an impostor at a
+node's address, whose keys would verify its own pushes, does not hold it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import enum
 import hashlib
 import heapq
 import hmac
+import pathlib
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -37,6 +44,7 @@ from capabilities.claims import Footer, decode_footer, from_unix, to_unix
 from capabilities.errors import CapabilityError, TokenRefused
 from capabilities.keyring import KeyRing
 from capabilities.publication import KeySet
+from capabilities.securefile import read_secret_file
 
 __all__ = [
     "MAX_PUSH_LIFETIME",
@@ -50,6 +58,7 @@ __all__ = [
     "body_digest",
     "keys_of",
     "push_assertion",
+    "read_bearer_file",
 ]
 
 SIGNATURE_HEADER = "litegraph-signature"
@@ -117,6 +126,24 @@ def push_assertion(node_id: str) -> bytes:
 def body_digest(body: bytes) -> str:
     """Unpadded base64url of the body's SHA-256."""
     return base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode("ascii")
+
+
+#: RFC 6750 b64token: what may follow "Bearer " in an Authorization header.
+_BEARER = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+_MAX_BEARER = 4096
+
+
+def read_bearer_file(path: pathlib.Path) -> str:
+    """The bearer credential in `path` (a 0600 file of ours, surrounding whitespace
+    ignored). SecretFileError for an unsafe file, ValueError for unusable content."""
+    raw = read_secret_file(path, max_bytes=_MAX_BEARER)
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: the bearer credential is not ASCII") from None
+    if _BEARER.fullmatch(text) is None:
+        raise ValueError(f"{path}: not a bearer credential (RFC 6750 characters, one line)")
+    return text
 
 
 def keys_of(key_set: KeySet) -> dict[str, Ed25519PublicKey]:

@@ -79,6 +79,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     token_ttl: float
     scheduler_url: str
     telemetry_interval: float
+    telemetry_bearer_file: str
     health_interval: float
     shutdown_grace: float
     http_read_timeout: float
@@ -219,6 +220,7 @@ _CHECKS: dict[str, Any] = {
     "token_ttl": _ttl,
     "scheduler_url": _check_url,
     "telemetry_interval": _positive,
+    "telemetry_bearer_file": _absolute_or_empty,
     "health_interval": _positive,
     "shutdown_grace": _non_negative,
     "http_read_timeout": _positive,

@@ -30,7 +30,7 @@ from api.snapshot_cache import SnapshotCache
 from api.telemetry import TelemetryPusher
 from api.unix_server import serve_unix
 from capabilities import CapabilityError, KeyRing, TokenService
-from capabilities.push_signature import PushSigner
+from capabilities.push_signature import PushSigner, read_bearer_file
 from capabilities.securefile import SecretFileError
 from node.config import Config, DeviceMode
 from node.guests import GuestSetup, GuestSetupError, open_guest_setup
@@ -97,6 +97,16 @@ def open_secrets(
         auth, created = load_or_create_auth(auth_path)
         return auth, created, fresh_signing_key(state_dir)
     except (OSError, AuthError, CapabilityError, SecretFileError) as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def telemetry_bearer(path: str) -> str | None:
+    """The telemetry bearer credential, if configured; StartupError for an unsafe file."""
+    if not path:
+        return None
+    try:
+        return read_bearer_file(pathlib.Path(path))
+    except (SecretFileError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
 
 
@@ -209,6 +219,7 @@ class Daemon:
         config = self.config
         state_dir = pathlib.Path(config.state_dir)
         auth, created, keyring = open_secrets(state_dir, self.auth_path)
+        bearer = telemetry_bearer(config.telemetry_bearer_file)
         if created:
             log.info("created operator secrets in %s (mode 0600)", self.auth_path)
         self.context.auth = Authenticator(auth)
@@ -284,6 +295,7 @@ class Daemon:
                 snapshots.encoded,
                 node_id=machine.node_id,
                 sign=PushSigner(keyring, machine.node_id, config.scheduler_url).sign,
+                bearer=bearer,
             )
             await nursery.start(self.telemetry.run)
 

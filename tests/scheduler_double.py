@@ -2,8 +2,9 @@
 
 It knows each node's address (`register`), fetches the node's published keys
 from `GET /v1/keys` when it meets a key id it does not hold, and checks every
-push with `PushVerifier`. It answers 204 to a verified push and 401 with
-`{"refused": "<reason>"}` to anything else, and records both.
+push with `PushVerifier`; with `bearer` set it first demands that credential
+(`Authorization: Bearer`, else `bad_bearer`). It answers 204 to a verified
+push and 401 with `{"refused": "<reason>"}` to anything else, and records both.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -28,6 +30,7 @@ from capabilities.push_signature import (
 )
 
 MAX_HEAD = 16 * 1024
+BAD_BEARER = "bad_bearer"
 MAX_BODY = 1024 * 1024
 
 
@@ -46,7 +49,8 @@ class Scheduler:
     keys: dict[str, dict[str, Ed25519PublicKey]] = dataclasses.field(default_factory=dict)
     verifiers: dict[str, PushVerifier] = dataclasses.field(default_factory=dict)
     accepted: list[Received] = dataclasses.field(default_factory=list)
-    refused: list[tuple[Received, PushRefusal]] = dataclasses.field(default_factory=list)
+    refused: list[tuple[Received, str]] = dataclasses.field(default_factory=list)
+    bearer: str | None = None
     key_fetches: int = 0
     arrived: trio.Event = dataclasses.field(default_factory=trio.Event)
 
@@ -75,7 +79,11 @@ class Scheduler:
         reply.raise_for_status()
         self.keys[node_id] = keys_of(msgspec.json.decode(reply.content, type=KeySet))
 
-    async def check(self, push: Received) -> PushRefusal | None:
+    async def check(self, push: Received) -> str | None:
+        if self.bearer is not None:
+            given = push.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.bearer}".encode()):
+                return BAD_BEARER
         verifier = self.verifiers.get(push.node_id)
         if verifier is None:
             return PushRefusal.UNKNOWN_KEY  # a node this scheduler never registered
@@ -105,7 +113,7 @@ class Scheduler:
                     answer = b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n"
                 else:
                     self.refused.append((push, reason))
-                    text = msgspec.json.encode({"refused": reason.value})
+                    text = msgspec.json.encode({"refused": reason})
                     answer = (
                         b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n"
                         b"content-length: %d\r\n\r\n%s" % (len(text), text)
@@ -148,12 +156,12 @@ async def serve_loopback(
 
 
 @contextlib.asynccontextmanager
-async def scheduler() -> AsyncIterator[Scheduler]:
+async def scheduler(*, bearer: str | None = None) -> AsyncIterator[Scheduler]:
     async with (
         httpx.AsyncClient(timeout=5) as client,
         trio.open_nursery() as nursery,
     ):
-        state = Scheduler(client)
+        state = Scheduler(client, bearer=bearer)
         state.url = await serve_loopback(nursery, state.handle)
         yield state
         nursery.cancel_scope.cancel()

@@ -1,5 +1,6 @@
 """Telemetry is signed: a scheduler on loopback verifies each push with the node's
-published keys and refuses unsigned, tampered, foreign-key, replayed and stale ones."""
+published keys and refuses unsigned, tampered, foreign-key, replayed and stale ones;
+a configured bearer credential goes with every push."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import time
 
 import httpx
 import msgspec
+import pytest
+import trio
 
 from capabilities import KeyRing
 from capabilities.push_signature import SIGNATURE_HEADER, PushRefusal, PushSigner
+from node.daemon import Daemon, StartupError
 from node.machine.snapshot import NodeSnapshot
-from tests.api_fixtures import running_daemon
-from tests.scheduler_double import scheduler
+from tests.api_fixtures import daemon_config, running_daemon
+from tests.scheduler_double import BAD_BEARER, scheduler
 
 
 def _refusal(reply: httpx.Response) -> str:
@@ -74,3 +78,53 @@ async def test_the_scheduler_accepts_the_nodes_signed_pushes_and_refuses_forgeri
             # The node's only refusals came before the scheduler knew its address.
             own = [reason for push, reason in sink.refused if "x-forged" not in push.headers]
             assert set(own) <= {PushRefusal.UNKNOWN_KEY}, own
+
+
+def _bearer_file(path: pathlib.Path, text: str, mode: int = 0o600) -> pathlib.Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+async def test_a_configured_bearer_credential_goes_with_every_push(
+    tmp_path: pathlib.Path,
+) -> None:
+    credential = "push-" + "x" * 40
+    bearer = _bearer_file(tmp_path / "telemetry.bearer", f"{credential}\n")
+    async with scheduler(bearer=credential) as sink:
+        argv = ("--scheduler-url", sink.url, "--telemetry-interval", "0.1", "--node-id", "node-b")
+        async with (
+            running_daemon(tmp_path, *argv, "--telemetry-bearer-file", str(bearer)) as node,
+            httpx.AsyncClient(timeout=5) as client,
+        ):
+            sink.register("node-b", node.url)
+            await sink.wait_for(2, "node-b")
+            assert {p.headers["authorization"] for p in sink.from_node("node-b")} == {
+                f"Bearer {credential}"
+            }
+            # The node's valid signature without the credential is not enough.
+            signed = sink.from_node("node-b")[-1]
+            headers = {k: v for k, v in signed.headers.items() if k != "authorization"}
+            headers.pop("content-length")
+            reply = await client.post(sink.url, content=signed.body, headers=headers)
+            assert _refusal(reply) == BAD_BEARER
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "why"),
+    [
+        ("push-credential", 0o644, "mode 0644"),
+        ("two words", 0o600, "not a bearer credential"),
+        ("", 0o600, "not a bearer credential"),
+    ],
+)
+async def test_an_unsafe_or_unusable_bearer_file_stops_start_up(
+    tmp_path: pathlib.Path, text: str, mode: int, why: str
+) -> None:
+    bearer = _bearer_file(tmp_path / "telemetry.bearer", text, mode)
+    argv = ("--scheduler-url", "http://127.0.0.1:9/", "--telemetry-bearer-file", str(bearer))
+    daemon = Daemon(daemon_config(tmp_path, *argv), handle_signals=False)
+    with pytest.raises(StartupError) as refused, trio.fail_after(20):
+        await daemon.run()
+    assert str(bearer) in str(refused.value) and why in str(refused.value)
+    assert text not in str(refused.value) or not text
