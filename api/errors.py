@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ApiError", "ErrorBody", "ErrorEnvelope"]
+__all__ = ["ApiError", "ErrorBody", "ErrorEnvelope", "error_text"]
 
 
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -48,3 +48,12 @@ class ApiError(Exception):
         return ErrorEnvelope(
             error=ErrorBody(code=self.code, message=self.message, details=self.details)
         )
+
+
+def error_text(body: bytes) -> str:
+    """`code: message` of an error answer, for a person; else the start of the body."""
+    try:
+        error = msgspec.json.decode(body, type=ErrorEnvelope).error
+        return f"{error.code}: {error.message}"
+    except msgspec.DecodeError:
+        return body[:200].decode(errors="replace")

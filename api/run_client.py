@@ -12,7 +12,7 @@ import httpx
 import msgspec
 import trio
 
-from api.errors import ErrorEnvelope
+from api.errors import error_text
 from node.machine.lanes import Requirement
 from supervisor.wire import (
     InvocationRequest,
@@ -52,11 +52,7 @@ def _new_output(tail: str, total: int, printed: int) -> tuple[str, int]:
 
 
 def _error_text(reply: httpx.Response) -> str:
-    try:
-        body = msgspec.json.decode(reply.content, type=ErrorEnvelope).error
-        return f"{body.code}: {body.message}"
-    except msgspec.DecodeError:
-        return reply.text[:200]
+    return error_text(reply.content)
 
 
 async def follow_command(

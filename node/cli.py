@@ -9,9 +9,11 @@ exits 128 + its number (130 for SIGINT, 143 for SIGTERM).
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import os
 import pathlib
+import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,6 +22,8 @@ import httpx
 import msgspec
 import trio
 
+from node.address import remove_address, write_address
+from node.client import ClientError, find_target
 from node.config import Config, build_config
 from node.flags import (
     FlagError,
@@ -48,6 +52,10 @@ COMMANDS = {
 }
 # The commands that read --sim-file; its file is checked before they start.
 DISCOVERS = frozenset({"serve", "dev", "snapshot"})
+# Commands that talk to a running daemon: their help shows only these global options.
+CLIENT_GLOBALS = ("state_dir", "auth_file")
+# Bare words each command takes: (at least, at most or None for any number).
+POSITIONAL: dict[str, tuple[int, int | None]] = {"run": (1, None)}
 log = logging.getLogger(__name__)
 
 
@@ -76,9 +84,16 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
     configure_logging(config.log_level, config.log_format)
     daemon = Daemon(config, dev=dev)
 
+    state_dir = pathlib.Path(config.state_dir)
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(daemon.run)
+            # Clients find the daemon from --state-dir alone (node/address.py).
+            try:
+                write_address(state_dir, url, daemon.auth_path)
+            except OSError as exc:
+                log.warning("cannot write the address file for clients: %s", exc)
             if dev:
                 _announce_dev(url, daemon)
 
@@ -92,6 +107,8 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
             print(f"{PROG}: cannot start: {startup}", file=sys.stderr)
             return 1
         raise
+    finally:
+        remove_address(state_dir)
     return 0
 
 
@@ -104,7 +121,7 @@ def _announce_dev(url: str, daemon: Any) -> None:
     print(f"  token file:   {daemon.auth_path} (scheduler and admin secrets)", file=sys.stderr)
     print(f"  devices:      {_devices_line(daemon.machine.inventory)}", file=sys.stderr)
     print(f"  state folder: {daemon.config.state_dir}", file=sys.stderr)
-    print(f"  try:          {_how_to_call()} run -- sleep 2", file=sys.stderr)
+    print(f"  try:          {_client_call(daemon.config)} run -- sleep 2", file=sys.stderr)
     print("  Ctrl-C stops (a second Ctrl-C stops at once)\n", file=sys.stderr, flush=True)
 
 
@@ -126,6 +143,16 @@ def _how_to_call() -> str:
     if "/" in invoked and not invoked.endswith(".py"):
         return os.path.relpath(invoked)
     return PROG
+
+
+def _client_call(config: Config) -> str:
+    """How a client command reaches this daemon from another shell: the address file
+    gives the URL and the auth file, so only a state folder other than dev's is named."""
+    call = _how_to_call()
+    state_dir = pathlib.Path(config.state_dir).absolute()
+    if state_dir != pathlib.Path(_dev_state_dir()).absolute():
+        call += f" --state-dir {shlex.quote(str(state_dir))}"
+    return call
 
 
 def _local_config(inv: Invocation) -> Config:
@@ -170,17 +197,15 @@ def _cmd_snapshot(inv: Invocation) -> int:
 
 
 def _cmd_run(inv: Invocation) -> int:
-    from api.auth import AuthError, load_auth
     from api.run_client import follow_command
 
-    config = _local_config(inv)
-    auth_path = pathlib.Path(config.auth_file or pathlib.Path(config.state_dir) / "auth.json")
     try:
-        secret = load_auth(auth_path).scheduler
-    except AuthError as exc:
-        print(f"{PROG} run: {exc} (is `{PROG} dev` running?)", file=sys.stderr)
+        target = find_target(_local_config(inv), inv.options.get("url", ""))
+        secret = target.secret()
+    except ClientError as exc:
+        print(f"{PROG} run: {exc}", file=sys.stderr)
         return 1
-    url = inv.options.get("url") or f"http://{config.listen}"
+    url = target.url
     try:
         return trio.run(
             functools.partial(
@@ -217,8 +242,24 @@ HANDLERS: dict[str, Callable[[Invocation], int]] = {
 
 
 def _help(table: FlagTable, command: str | None) -> str:
-    commands = "\n".join(f"  {name:<10} {text}" for name, text in COMMANDS.items())
-    return render_help(table, f"{USAGE}\n\nCommands:\n{commands}", command)
+    if command is None:
+        commands = "\n".join(f"  {name:<10} {text}" for name, text in COMMANDS.items())
+        return render_help(table, f"{USAGE}\n\nCommands:\n{commands}", None)
+    usage = f"usage: {PROG} {command} [options]\n\n{command}: {COMMANDS[command]}"
+    shown = None if command in DISCOVERS else CLIENT_GLOBALS
+    return render_help(table, usage, command, shown)
+
+
+def _check_positional(inv: Invocation) -> None:
+    assert inv.command is not None
+    least, most = POSITIONAL.get(inv.command, (0, 0))
+    given = len(inv.positional)
+    if most is not None and given > most:
+        raise FlagError(f"unexpected argument {inv.positional[most]!r}")
+    if given < least:
+        if inv.command == "run":
+            raise FlagError("run: give the command after --, e.g. run -- sleep 2")
+        raise FlagError(f"{inv.command}: missing argument (see {inv.command} --help)")
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -232,13 +273,13 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if parsed.help:
             print(_help(table, parsed.command))
             return 0
+        if parsed.version:
+            print(f"{PROG} {importlib.metadata.version(PROG)}")
+            return 0
         inv = Invocation(table, parsed)
         if inv.command is None:
             raise FlagError(f"missing command (one of: {', '.join(COMMANDS)})")
-        if inv.positional and inv.command != "run":
-            raise FlagError(f"unexpected argument {inv.positional[0]!r}")
-        if inv.command == "run" and not inv.positional:
-            raise FlagError("run: give the command after --, e.g. run -- sleep 2")
+        _check_positional(inv)
         if inv.command in DISCOVERS:
             check_option_files(inv.config)
     except FlagError as exc:

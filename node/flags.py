@@ -19,7 +19,7 @@ import math
 import pathlib
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -56,6 +56,8 @@ class FlagSpec:
     default: str | None
     help: str
     argv: bool = True
+    # An array flag given once per item on argv (`--env A=1 --env B=2`).
+    repeat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,7 @@ class ParsedArgs:
     positional: list[str]
     help: bool
     explicit: frozenset[str]  # env names set on argv or in the environment
+    version: bool = False
 
 
 def default_flag_file() -> pathlib.Path:
@@ -100,6 +103,9 @@ def _spec(name: str, raw: Mapping[str, Any]) -> FlagSpec:
     default = raw.get("default")
     if default is not None and not isinstance(default, str):
         raise FlagError(f"{where}: default must be a string")
+    repeat = raw.get("repeat", False)
+    if repeat and kind != "array":
+        raise FlagError(f"{where}: only an array flag can repeat")
     return FlagSpec(
         name=name,
         env=env,
@@ -109,6 +115,7 @@ def _spec(name: str, raw: Mapping[str, Any]) -> FlagSpec:
         default=default,
         help=str(raw.get("help", "")),
         argv=bool(raw.get("argv", True)),
+        repeat=bool(repeat),
     )
 
 
@@ -149,8 +156,9 @@ def parse_argv(
     """Parse `argv` against `table`; the first bare word naming a command selects it."""
     command: str | None = None
     from_argv: dict[str, str] = {}
+    repeated: dict[str, list[str]] = {}
     positional: list[str] = []
-    want_help = False
+    want_help = want_version = False
     i = 0
     while i < len(argv):
         word = argv[i]
@@ -163,6 +171,8 @@ def parse_argv(
             break
         if word in ("--help", "-h"):
             want_help = True
+        elif word == "--version":
+            want_version = True
         elif word.startswith("--"):
             name, eq, value = word[2:].partition("=")
             spec = longs.get(name)
@@ -175,13 +185,17 @@ def parse_argv(
                 raise FlagError(f"unknown flag --{name}")
             if spec.type == "bool":
                 _set_bool(from_argv, spec, value if eq else "true", f"--{name}")
-            elif eq:
-                from_argv[spec.env] = value
-            elif i < len(argv) and not _looks_like_option(argv[i]):
-                from_argv[spec.env] = argv[i]
+                continue
+            if not eq:
+                if i >= len(argv) or _looks_like_option(argv[i]):
+                    raise FlagError(f"--{name}: missing value")
+                value = argv[i]
                 i += 1
+            if spec.repeat:
+                repeated.setdefault(spec.env, []).append(value)
+                from_argv[spec.env] = json.dumps(repeated[spec.env])
             else:
-                raise FlagError(f"--{name}: missing value")
+                from_argv[spec.env] = value
         elif _looks_like_option(word):
             bundle = word[1:]
             for j, char in enumerate(bundle):
@@ -221,6 +235,7 @@ def parse_argv(
         positional=positional,
         help=want_help,
         explicit=frozenset(explicit),
+        version=want_version,
     )
 
 
@@ -294,21 +309,40 @@ def coerce(specs: Sequence[FlagSpec], values: Mapping[str, str]) -> dict[str, An
     return typed
 
 
-def render_help(table: FlagTable, usage: str, command: str | None) -> str:
-    lines = [usage, "", "Options (argv > environment > default):"]
-    groups: list[tuple[str, tuple[FlagSpec, ...]]] = [("", table.flags)]
-    groups += [(f" of '{c}'", s) for c, s in table.commands.items() if command in (None, c)]
+def _flag_lines(spec: FlagSpec) -> list[str]:
+    names = ", ".join(([f"-{spec.short}"] if spec.short else []) + [f"--{a}" for a in spec.aliases])
+    if spec.type == "bool" and spec.aliases:
+        names += f" / --no-{spec.aliases[0]}"
+    if spec.repeat:
+        names += " (repeatable)"
+    default = "(none)" if spec.default is None else repr(spec.default)
+    return [
+        f"  {names or '(env only)'}  [{spec.type}, default {default}]",
+        f"      env {spec.env}: {spec.help}",
+    ]
+
+
+def render_help(
+    table: FlagTable,
+    usage: str,
+    command: str | None,
+    shown_globals: Collection[str] | None = None,
+) -> str:
+    """Every option without a command; with one, its own options first, then the
+    global options in `shown_globals` (None: all of them)."""
+    groups: list[tuple[str, Sequence[FlagSpec]]]
+    if command is None:
+        groups = [("Options", table.flags)]
+        groups += [(f"Options of '{c}'", s) for c, s in table.commands.items()]
+    else:
+        shown = [s for s in table.flags if shown_globals is None or s.name in shown_globals]
+        groups = [(f"Options of '{command}'", table.commands.get(command, ()))]
+        groups += [("Node options", shown)]
+    lines = [usage]
     for title, specs in groups:
-        if title:
-            lines += ["", f"Options{title}:"]
-        for spec in specs:
-            names = ", ".join(
-                ([f"-{spec.short}"] if spec.short else []) + [f"--{a}" for a in spec.aliases]
-            )
-            if spec.type == "bool" and spec.aliases:
-                names += f" / --no-{spec.aliases[0]}"
-            default = "(none)" if spec.default is None else repr(spec.default)
-            lines.append(f"  {names or '(env only)'}  [{spec.type}, default {default}]")
-            lines.append(f"      env {spec.env}: {spec.help}")
+        if specs:
+            lines += ["", f"{title} (argv > environment > default):"]
+            for spec in specs:
+                lines += _flag_lines(spec)
     lines += ["", "  -h, --help  show this help and exit"]
     return "\n".join(lines)

@@ -94,4 +94,4 @@ def test_run_without_a_node_fails_with_one_clear_line(tmp_path: pathlib.Path) ->
         check=False,
     )
     assert result.returncode == 1
-    assert "is `litegraph-node dev` running?" in result.stderr
+    assert "no daemon is running with state folder" in result.stderr

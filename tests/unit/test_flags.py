@@ -201,3 +201,33 @@ def test_unknown_environment_names_only_our_misspellings() -> None:
         "LITEGRAPH_NODE_STATEDIR is not an option and is ignored;"
         " did you mean LITEGRAPH_NODE_STATE_DIR?",
     ]
+
+
+def _with_repeat(tmp_path: pathlib.Path, kind: str):  # type: ignore[no-untyped-def]
+    path = tmp_path / "repeat.toml"
+    path.write_text(
+        f'[commands.go.flags.env]\nenv = "DEMO_ENV"\naliases = ["env"]\ntype = "{kind}"\n'
+        'default = "[]"\nrepeat = true\n'
+    )
+    return load_flag_table(path)
+
+
+def test_a_repeatable_flag_collects_every_use(tmp_path: pathlib.Path) -> None:
+    table = _with_repeat(tmp_path, "array")
+    _, values = typed(table, ["go", "--env", "A=1", "--env=B=2 3", "--env", "A=4"])
+    assert values == {"env": ["A=1", "B=2 3", "A=4"]}
+    # In the environment it is the whole JSON array; argv still wins.
+    _, from_env = typed(table, ["go"], {"DEMO_ENV": '["C=5"]'})
+    assert from_env == {"env": ["C=5"]}
+    _, both = typed(table, ["go", "--env", "D=6"], {"DEMO_ENV": '["C=5"]'})
+    assert both == {"env": ["D=6"]}
+
+
+def test_only_an_array_flag_may_repeat(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(FlagError, match="only an array flag can repeat"):
+        _with_repeat(tmp_path, "string")
+
+
+def test_version_is_asked_for_like_help(table) -> None:  # type: ignore[no-untyped-def]
+    assert parse_argv(table, ["--version"], {}, COMMANDS).version
+    assert not parse_argv(table, ["go", "--", "--version"], {}, COMMANDS).version
