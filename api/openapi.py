@@ -14,7 +14,7 @@ import msgspec
 
 from api.errors import ErrorEnvelope
 from api.openapi_status import status_openapi
-from api.wire import DrainReply, HealthReply, IntrospectionRequest, ReadyReply
+from api.wire import DrainReply, HealthReply, IntrospectionRequest, NodeStatus, ReadyReply
 from capabilities import Introspection, KeySet
 from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import (
@@ -72,6 +72,9 @@ OPERATIONS = {
     "status_page": ("node", "The status page (loopback only)"),
     "get_snapshot": ("node", "Devices, lanes, capacity and health now"),
     "whoami": ("node", "The role of the secret presented"),
+    "get_node": ("node", "Readiness, drain and invocation counts of the node"),
+    "drain_node": ("node", "Drain the whole node: no new work anywhere (admin)"),
+    "resume_node": ("node", "Resume a drained node (admin)"),
     "device_history": ("node", "Recent readings of each device"),
     "events": ("node", "Stream state changes as server-sent events"),
     "openapi": ("docs", "This OpenAPI document"),
@@ -190,6 +193,7 @@ def openapi_document() -> dict[str, Any]:
         BatchReply,
         WaitRequest,
         WaitReply,
+        NodeStatus,
     ]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     ref = dict(
@@ -215,6 +219,7 @@ def openapi_document() -> dict[str, Any]:
                 "batch_reply",
                 "wait",
                 "wait_reply",
+                "node",
             ),
             schemas,
             strict=True,
@@ -540,6 +545,26 @@ def openapi_document() -> dict[str, Any]:
     status_paths, status_components = status_openapi(_REF, _responses, _OPERATOR)
     paths.update(status_paths)
     components.update(status_components)
+    paths["/v1/node"] = {
+        "get": {
+            "operationId": "get_node",
+            "security": _OPERATOR,
+            "responses": _responses(200, json_of["node"], auth),
+        }
+    }
+    for action in ("drain", "resume"):
+        paths[f"/v1/node/{action}"] = {
+            "post": {
+                "operationId": f"{action}_node",
+                "security": _OPERATOR,
+                "description": (
+                    "Admin only, idempotent. A drained node refuses new submissions with"
+                    " 503 `node_draining`, running work goes on, /readyz is 503 and the"
+                    " snapshot says `drained`. Kept in memory: a restart admits again."
+                ),
+                "responses": _responses(200, json_of["node"], auth),
+            }
+        }
     _summarize(paths)
     return {
         "openapi": "3.1.0",

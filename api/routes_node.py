@@ -12,9 +12,11 @@ from quart_trio import QuartTrio
 from api.context import NodeContext
 from api.errors import ApiError
 from api.event_stream import HEARTBEAT_SECONDS, event_frames, only_ids, resume_point
-from api.http import ANY_OPERATOR, require_role
+from api.http import ADMIN, ANY_OPERATOR, ready_supervisor, require_role
 from api.metrics import CONTENT_TYPE
 from api.openapi import openapi_document
+from api.responses import json_response
+from api.wire import NodeStatus
 from supervisor.events import TooManySubscribers
 
 __all__ = ["register_node_routes"]
@@ -67,6 +69,34 @@ def register_node_routes(app: QuartTrio, ctx: NodeContext) -> None:
         response.headers["Cache-Control"] = "no-store"
         response.timeout = None  # a stream lives as long as its subscriber
         return response
+
+    def node_status() -> NodeStatus:
+        sup = ready_supervisor(ctx)
+        return NodeStatus(
+            node_id=sup.machine.node_id,
+            ready=ctx.readiness.ready,
+            readiness_reasons=ctx.readiness.reasons(),
+            drained=sup.drained,
+            invocations={state.value: n for state, n in sup.counts().items()},
+        )
+
+    @app.get("/v1/node")
+    async def node() -> Response:
+        require_role(ctx, ANY_OPERATOR)
+        return json_response(node_status())
+
+    # Whole-node drain: admin only, idempotent, in memory (a restart admits again).
+    @app.post("/v1/node/drain")
+    async def drain_node() -> Response:
+        require_role(ctx, ADMIN)
+        ready_supervisor(ctx).set_node_drained(True)
+        return json_response(node_status())
+
+    @app.post("/v1/node/resume")
+    async def resume_node() -> Response:
+        require_role(ctx, ADMIN)
+        ready_supervisor(ctx).set_node_drained(False)
+        return json_response(node_status())
 
     @app.get("/metrics")
     async def metrics() -> Response:

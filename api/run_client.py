@@ -1,10 +1,8 @@
-"""`litegraph-node run -- CMD ...`: submit a process invocation, follow it (waiting for
+"""`litegraph-node run -- CMD ...`: submit its process invocation, follow it (waiting for
 its end with POST /v1/invocations:wait, printing output as it comes), cancel on Ctrl-C."""
 
 from __future__ import annotations
 
-import os
-import secrets
 import sys
 from typing import TextIO
 
@@ -13,13 +11,10 @@ import msgspec
 import trio
 
 from api.errors import error_text
-from node.machine.lanes import Requirement
 from supervisor.wire import (
     InvocationRequest,
     InvocationState,
     InvocationStatus,
-    ProcessWork,
-    Resources,
     WaitReply,
     WaitRequest,
 )
@@ -58,20 +53,12 @@ def _error_text(reply: httpx.Response) -> str:
 async def follow_command(
     base_url: str,
     secret: str,
-    argv: list[str],
+    request: InvocationRequest,
     *,
-    timeout_s: float,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
 ) -> int:
-    invocation_id = "run-" + secrets.token_hex(8)
-    request = InvocationRequest(
-        id=invocation_id,
-        work=ProcessWork(argv=argv, cwd=os.getcwd()),
-        requirement=Requirement.AUTO,
-        resources=Resources(cpu_millis=1000, memory_bytes=2 * 2**30),
-        timeout_s=timeout_s,
-    )
+    invocation_id = request.id
     headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=REQUEST_SECONDS

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["DrainReply", "HealthReply", "IntrospectionRequest", "ReadyReply", "WhoamiReply"]
+__all__ = [
+    "DrainReply",
+    "HealthReply",
+    "IntrospectionRequest",
+    "NodeStatus",
+    "ReadyReply",
+    "WhoamiReply",
+]
 
 
 class HealthReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -19,6 +26,18 @@ class ReadyReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 class DrainReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     lane_id: str
     drained: bool
+
+
+class NodeStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """GET /v1/node and the answer to a whole-node drain or resume: readiness (as
+    /readyz judges it), whether an operator drained the node, and this run's
+    invocations by state (the live ones and the newest ended ones kept in memory)."""
+
+    node_id: str
+    ready: bool
+    readiness_reasons: dict[str, str]
+    drained: bool
+    invocations: dict[str, int]
 
 
 class IntrospectionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -24,6 +24,7 @@ import trio
 
 from node.address import remove_address, write_address
 from node.client import ClientError, find_target
+from node.client_commands import CLIENT_COMMANDS, check_arguments
 from node.config import Config, build_config
 from node.flags import (
     FlagError,
@@ -37,7 +38,9 @@ from node.flags import (
 )
 from node.logs import configure_logging
 from node.preflight import check_option_files
+from node.run_request import build_request
 from node.signals import ForcedStop, sole_error
+from supervisor.wire import InvocationRequest
 
 __all__ = ["main"]
 
@@ -47,7 +50,12 @@ COMMANDS = {
     "serve": "run the node daemon",
     "dev": "workstation mode: the daemon in one process on loopback",
     "snapshot": "discover once, print a NodeSnapshot as JSON, exit",
-    "run": "run -- CMD ...: submit a process to the local node and follow it",
+    "run": "run [options] -- CMD ...: submit a process to the local node and follow it",
+    "status": "the node's readiness, drain, capacity, lanes and invocation counts",
+    "ls": "list invocations (--state, --limit)",
+    "cancel": "cancel ID: cancel an invocation and wait until it has released everything",
+    "drain": "drain [LANE]: admit no new work on a lane, or the whole node; running work goes on",
+    "resume": "resume [LANE]: admit work again on a lane, or the whole node",
     "contracts": "write (or --check) the JSON Schemas and OpenAPI in api/contracts/",
 }
 # The commands that read --sim-file; its file is checked before they start.
@@ -55,7 +63,12 @@ DISCOVERS = frozenset({"serve", "dev", "snapshot"})
 # Commands that talk to a running daemon: their help shows only these global options.
 CLIENT_GLOBALS = ("state_dir", "auth_file")
 # Bare words each command takes: (at least, at most or None for any number).
-POSITIONAL: dict[str, tuple[int, int | None]] = {"run": (1, None)}
+POSITIONAL: dict[str, tuple[int, int | None]] = {
+    "run": (1, None),
+    "cancel": (1, 1),
+    "drain": (0, 1),
+    "resume": (0, 1),
+}
 log = logging.getLogger(__name__)
 
 
@@ -71,6 +84,7 @@ class Invocation:
         }
         self.explicit = frozenset(s.name for s in table.flags if s.env in parsed.explicit)
         self.config: Config = build_config(typed)
+        self.request: InvocationRequest | None = None  # what `run` submits, once checked
 
 
 def _dev_state_dir() -> str:
@@ -207,11 +221,8 @@ def _cmd_run(inv: Invocation) -> int:
         return 1
     url = target.url
     try:
-        return trio.run(
-            functools.partial(
-                follow_command, url, secret, inv.positional, timeout_s=inv.options["timeout"]
-            )
-        )
+        assert inv.request is not None
+        return trio.run(functools.partial(follow_command, url, secret, inv.request))
     except KeyboardInterrupt:
         return 130
     except httpx.HTTPError as exc:
@@ -232,7 +243,18 @@ def _cmd_contracts(inv: Invocation) -> int:
     return 0
 
 
+def _client_command(inv: Invocation) -> int:
+    assert inv.command is not None
+    try:
+        target = find_target(_local_config(inv))
+        return CLIENT_COMMANDS[inv.command](target, inv.options, inv.positional, sys.stdout)
+    except ClientError as exc:
+        print(f"{PROG} {inv.command}: {exc}", file=sys.stderr)
+        return 1
+
+
 HANDLERS: dict[str, Callable[[Invocation], int]] = {
+    **dict.fromkeys(CLIENT_COMMANDS, _client_command),
     "serve": _cmd_serve,
     "dev": _cmd_dev,
     "snapshot": _cmd_snapshot,
@@ -282,6 +304,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _check_positional(inv)
         if inv.command in DISCOVERS:
             check_option_files(inv.config)
+        if inv.command == "run":  # bad resources exit 2 before anything is sent
+            inv.request = build_request(inv.options, inv.positional, os.getcwd())
+        if inv.command in CLIENT_COMMANDS:
+            check_arguments(inv.command, inv.options, inv.positional)
     except FlagError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -60,14 +61,18 @@ def request(
     path: str,
     *,
     role: Role = Role.scheduler,
-    params: dict[str, str] | None = None,
+    params: Sequence[tuple[str, str]] = (),
     timeout: float = REQUEST_SECONDS,
 ) -> Any:
     """One request with the role's secret; the decoded JSON of a 2xx answer."""
     headers = {"Authorization": f"Bearer {target.secret(role)}"}
     try:
         reply = httpx.request(
-            method, target.url + path, headers=headers, params=params, timeout=timeout
+            method,
+            target.url + path,
+            headers=headers,
+            params=tuple(params or ()),
+            timeout=timeout,
         )
     except httpx.HTTPError as exc:
         raise ClientError(f"no daemon answers at {target.url}: {exc}") from exc

@@ -16,7 +16,7 @@ import api
 from api.device_history import DeviceHistoryReply
 from api.errors import ErrorEnvelope
 from api.openapi import openapi_document
-from api.wire import DrainReply, IntrospectionRequest, WhoamiReply
+from api.wire import DrainReply, IntrospectionRequest, NodeStatus, WhoamiReply
 from capabilities import Claims, Introspection, KeySet
 from lanehost.protocol import Reply as LaneHostReply
 from lanehost.protocol import Request as LaneHostRequest
@@ -59,6 +59,7 @@ PUBLIC_TYPES: dict[str, Any] = {
     "lane_work_request": LaneWorkRequest,
     "lane_work_reply": LaneWorkReply,
     "drain_reply": DrainReply,
+    "node_status": NodeStatus,
     "node_event": NodeEvent,
     "capability_claims": Claims,
     "token_reply": TokenReply,

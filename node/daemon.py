@@ -41,6 +41,7 @@ from node.machine.discovery_sim import SimDeviceSource
 from node.machine.health import HealthTransition
 from node.machine.journal import JournalError
 from node.machine.readiness import Readiness
+from node.machine.snapshot import NodeSnapshot
 from node.sdnotify import notify
 from node.signals import SignalWatcher, sole_error
 from node.statedir import StateDirError, prepare_state_dir
@@ -241,7 +242,7 @@ class Daemon:
         logs = await self._open_logs(state_dir)
         nursery.start_soon(logs.run)
         notes = tuple(guests.notes)
-        snapshots = SnapshotCache(lambda changes: machine.snapshot(sequence=changes, notes=notes))
+        snapshots = SnapshotCache(lambda changes: self._snapshot(machine, changes, notes))
         events: EventHub[NodeEvent] = EventHub(EVENT_SUBSCRIBERS, EVENT_BUFFER)
         tokens = TokenService(
             machine.node_id, keyring, ttl=config.token_ttl, max_live_tokens=LIVE_TOKENS
@@ -278,6 +279,7 @@ class Daemon:
         self.context.metrics.snapshot = snapshots.current
         self.context.metrics.invocation_counts = supervisor.counts
         self.context.metrics.ended_totals = supervisor.ended_totals
+        self.readiness.check("drained", supervisor.drain_reason)
         self.readiness.done("supervisor")
         nursery.start_soon(machine.watch_journal)
         nursery.start_soon(
@@ -298,6 +300,15 @@ class Daemon:
                 bearer=bearer,
             )
             await nursery.start(self.telemetry.run)
+
+    def _snapshot(self, machine: Machine, changes: int, notes: tuple[str, ...]) -> NodeSnapshot:
+        drained = self.supervisor.drain_reason() if self.supervisor is not None else None
+        return machine.snapshot(
+            sequence=changes,
+            notes=notes,
+            drained=drained is not None,
+            readiness_reasons=() if drained is None else (drained,),
+        )
 
     async def _open_guests(self, state_dir: pathlib.Path) -> GuestSetup:
         try:

@@ -130,6 +130,8 @@ class Supervisor:
         # Every ending the journal remembers (from before a restart too), for the list.
         self._history = History(machine.replay.ended.values())
         self.accepting = True
+        # An operator's whole-node drain: kept in memory only (a restart forgets it).
+        self.drained = False
         self._nursery: trio.Nursery | None = None
         self.owners = {
             lane.lane_id: LaneOwner(
@@ -245,6 +247,11 @@ class Supervisor:
             return recorded_submit_response(record)
         if not self.accepting or self._nursery is None:
             raise AdmissionRefused(503, "shutting_down", "the node is not admitting work")
+        if self.drained:
+            self._announce_refusal(request.id, "node_draining")
+            raise AdmissionRefused(
+                503, "node_draining", "the node is drained: it admits no new work"
+            )
         if self._waiting >= self.max_queued:
             self._announce_refusal(request.id, "queue_full")
             raise AdmissionRefused(
@@ -590,6 +597,25 @@ class Supervisor:
             raise LaneWorkError(503, "token_unavailable", str(exc)) from None
         inv.tokens[lane_id] = minted.token
         return minted
+
+    def drain_reason(self) -> str | None:
+        """Why readiness is blocked while the node is drained (None when it is not)."""
+        return "node_draining: drained by an operator; no new work" if self.drained else None
+
+    def set_node_drained(self, drained: bool) -> None:
+        """Cordon the whole node (no new admissions; running work finishes) or lift it.
+        Idempotent: a repeat changes nothing and announces nothing."""
+        if drained == self.drained:
+            return
+        self.drained = drained
+        self.events.publish(
+            NodeEvent(
+                kind=EventKind.node,
+                at=utc_now(),
+                to_state="drained" if drained else "resumed",
+            )
+        )
+        self._on_change()
 
     def set_drained(self, lane_id: str, drained: bool) -> None:
         """Cordon a lane (no new admissions; running work finishes) or lift it."""

@@ -218,6 +218,7 @@ class EventKind(StrEnum):
     health = "health"
     lane = "lane"
     admission = "admission"
+    node = "node"
 
 
 class NodeEvent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -313,6 +313,7 @@ class Machine:
         sequence: int | None = None,
         readiness_reasons: tuple[str, ...] = (),
         notes: tuple[str, ...] = (),
+        drained: bool = False,
     ) -> NodeSnapshot:
         """A snapshot numbered `sequence` (the caller counts changes), or the next number."""
         self._sequence = max(self._sequence + 1, sequence or 0)
@@ -325,6 +326,7 @@ class Machine:
             readiness_reasons=readiness_reasons,
             notes=notes,
             memory=self.memory,
+            drained=drained,
         )
 
     def refresh_host_memory(self) -> None:

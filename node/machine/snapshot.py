@@ -159,6 +159,8 @@ class NodeSnapshot(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True)
     capacity: CapacitySection
     readiness_reasons: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    # An operator drained the whole node: it admits no new work (running work goes on).
+    drained: bool = False
 
 
 def rfc3339(moment: datetime.datetime) -> str:
@@ -246,6 +248,7 @@ def build_snapshot(
     readiness_reasons: Iterable[str] = (),
     notes: Iterable[str] = (),
     memory: MemoryInfo | None = None,
+    drained: bool = False,
 ) -> NodeSnapshot:
     """Assemble a NodeSnapshot; extra `readiness_reasons` (e.g. journal recovery) are appended.
     `memory` is the latest host memory reading (discovery's when None)."""
@@ -304,4 +307,5 @@ def build_snapshot(
         ),
         readiness_reasons=(*inventory.readiness_reasons, *readiness_reasons),
         notes=(*inventory.notes, *notes),
+        drained=drained,
     )

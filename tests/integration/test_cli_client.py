@@ -10,8 +10,10 @@ import shlex
 import signal
 import stat
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 
 from tests.helpers import clean_env, guest_cwd, node_command, spawned, stop, wait_for_line
@@ -147,3 +149,231 @@ def test_a_subcommands_help_lists_its_own_flags() -> None:
     assert "contracts" not in text and "--reserved-cpu" not in text
     serve = client(clean_env(), "serve", "--help").stdout
     assert "--reserved-cpu" in serve and "--timeout" not in serve
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--gpus", "many"], "--gpus (LITEGRAPH_NODE_RUN_GPUS): expected an integer, got 'many'"),
+        (["--gpus", "65"], "--gpus: must be from 0 to 64 (got 65)"),
+        (["--cpu", "lots"], "--cpu: expected cores such as 2, 0.5 or 250m (got 'lots')"),
+        (["--cpu", "0"], "--cpu: must be from 1m to 2147483648m (got '0')"),
+        (["--memory", "0"], "--memory: must be above 0 (got '0')"),
+        (["--vram", "-1"], "--vram: expected a size such as 2GiB or a number of bytes (got '-1')"),
+        (["--isolation", "fancy"], "--isolation: expected one of shared, sandbox, partitioned"),
+        (["--requirement", "tpu"], "--requirement: expected one of cpu, gpu, auto (got 'tpu')"),
+        (["--env", "A=1", "--env", "NOEQUALS"], "--env: expected KEY=VALUE, got 'NOEQUALS'"),
+        (["--env", "LD_PRELOAD=/x.so"], "--env: LD_PRELOAD: reserved: set by the node only"),
+        (["--cwd", "relative/dir"], "--cwd: must be an absolute path (got 'relative/dir')"),
+        (["--timeout", "0"], "--timeout: must be in (0, 604800] seconds (got 0.0)"),
+    ],
+)
+def test_a_bad_run_option_exits_2_naming_it_before_anything_is_sent(
+    tmp_path: pathlib.Path, flags: list[str], said: str
+) -> None:
+    # No daemon: a 2 (not 1, "no daemon") shows nothing was looked up or sent.
+    state = tmp_path / "nothing"
+    result = client(clean_env(), "--state-dir", str(state), "run", *flags, "--", "true")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"litegraph-node: error: {said}"), line
+
+
+def _secret(state: pathlib.Path) -> dict[str, str]:
+    auth = json.loads((state / "auth.json").read_text())
+    return {"Authorization": f"Bearer {auth['scheduler']}"}
+
+
+def test_run_asks_for_the_resources_its_flags_name(tmp_path: pathlib.Path) -> None:
+    state = tmp_path / "state"
+    env = clean_env()
+    folder = guest_cwd()
+    argv = node_command("dev", "--listen", "127.0.0.1:0", "--state-dir", str(state))
+    with spawned(argv, env) as daemon:
+        url = wait_for_line(daemon, DEV_LISTENING)
+        run_argv = node_command(
+            "--state-dir", str(state), "run", "--cpu", "250m", "--memory", "64MiB",
+            "--gpus", "1", "--isolation", "dedicated", "--env", "GREETING=hello there",
+            "--env", "OTHER=2", "--cwd", str(folder), "--timeout", "30",
+            "--", "sh", "-c", 'echo "$GREETING/$OTHER/$(pwd)"; sleep 30',
+        )  # fmt: skip
+        with spawned(run_argv, env) as run:
+            invocation_id = wait_for_line(run, r"(run-[0-9a-f]+): running")
+            headers = _secret(state)
+            status = httpx.get(f"{url}/v1/invocations/{invocation_id}", headers=headers).json()
+            assert status["isolation"] == "dedicated"
+            assert [lane["kind"] for lane in status["lanes"]] == ["gpu"]
+            capacity = httpx.get(f"{url}/v1/snapshot", headers=headers).json()["capacity"]
+            assert capacity["cpu_millis"]["allocated"] == 250
+            assert capacity["memory_bytes"]["allocated"] == 64 * 2**20
+            assert capacity["gpus"]["allocated"] == 1
+            deadline = time.monotonic() + 20
+            while "hello there/2/" not in status["stdout_tail"]:
+                assert time.monotonic() < deadline, status
+                time.sleep(0.1)
+                status = httpx.get(f"{url}/v1/invocations/{invocation_id}", headers=headers).json()
+            assert status["stdout_tail"] == f"hello there/2/{folder}\n"
+            assert stop(run, signal.SIGINT) == 130
+        assert stop(daemon, signal.SIGINT) == 0
+
+
+@pytest.fixture
+def dev_state(tmp_path: pathlib.Path) -> Iterator[tuple[str, pathlib.Path, dict[str, str]]]:
+    """A `dev` daemon on a free port with its own state folder: its URL, the folder,
+    and the environment the client commands run in."""
+    state = tmp_path / "state"
+    env = clean_env()
+    argv = node_command("dev", "--listen", "127.0.0.1:0", "--state-dir", str(state))
+    with spawned(argv, env) as proc:
+        url = wait_for_line(proc, DEV_LISTENING)
+        yield url, state, env
+        assert stop(proc, signal.SIGINT) == 0
+
+
+def _submit_sleep(url: str, state: pathlib.Path, invocation_id: str, seconds: float) -> None:
+    body = {
+        "id": invocation_id,
+        "work": {"kind": "builtin", "name": "sleep", "args": {"seconds": seconds}},
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**20},
+    }
+    reply = httpx.post(f"{url}/v1/invocations", json=body, headers=_secret(state), timeout=10)
+    assert reply.status_code == 202, reply.text
+
+
+def _state_of(url: str, state: pathlib.Path, invocation_id: str) -> str:
+    reply = httpx.get(f"{url}/v1/invocations/{invocation_id}", headers=_secret(state), timeout=10)
+    return str(reply.json()["state"])
+
+
+def _until(check: Callable[[], bool], seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.05)
+
+
+def _start_long(url: str, state: pathlib.Path) -> None:
+    """The invocation `long`, running for a minute by the time this returns."""
+    _submit_sleep(url, state, "long", 60)
+    _until(lambda: _state_of(url, state, "long") == "running")
+
+
+def test_status_shows_readiness_capacity_lanes_and_counts(
+    dev_state: tuple[str, pathlib.Path, dict[str, str]],
+) -> None:
+    url, state, env = dev_state
+    _start_long(url, state)
+    result = client(env, "--state-dir", str(state), "status", "--json")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["node"]["ready"] is True and shown["node"]["drained"] is False
+    assert shown["node"]["invocations"]["running"] == 1
+    cpu = shown["snapshot"]["capacity"]["cpu_millis"]
+    assert cpu["allocated"] == 100 and cpu["allocatable"] == cpu["capacity"] - cpu["reserved"] - 100
+    lanes = shown["snapshot"]["lanes"]
+
+    text = client(env, "--state-dir", str(state), "status")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == f"node {shown['node']['node_id']}: ready"
+    assert lines[2].split() == ["RESOURCE", "TOTAL", "RESERVED", "ALLOCATED", "FREE"]
+    assert lines[3].split()[:5] == ["cpu", "(cores)", str(cpu["capacity"] // 1000), "1", "0.1"]
+    for lane in lanes:
+        (row,) = [line for line in lines if line.startswith(lane["lane_id"])]
+        assert row.split()[1:] == [
+            lane["kind"],
+            lane["mig_uuid"] or lane["device_id"],
+            lane["health"],
+            "-",
+        ]
+    assert ["running", "1"] in [line.split() for line in lines]
+
+
+def test_ls_lists_invocations_by_state_and_limit(
+    dev_state: tuple[str, pathlib.Path, dict[str, str]],
+) -> None:
+    url, state, env = dev_state
+    for name in ("quick-1", "quick-2"):
+        _submit_sleep(url, state, name, 0.01)
+    _submit_sleep(url, state, "long", 60)
+    _until(lambda: _state_of(url, state, "quick-2") == "succeeded")
+    _until(lambda: _state_of(url, state, "quick-1") == "succeeded")
+    _until(lambda: _state_of(url, state, "long") == "running")
+    base = ("--state-dir", str(state), "ls")
+
+    everything = client(env, *base, "--json")
+    assert everything.returncode == 0, everything.stderr
+    listed = {inv["id"]: inv["state"] for inv in json.loads(everything.stdout)["invocations"]}
+    assert listed == {"quick-1": "succeeded", "quick-2": "succeeded", "long": "running"}
+
+    running = client(env, *base, "--state", "running")
+    rows = running.stdout.splitlines()
+    assert rows[0].split()[:3] == ["ID", "STATE", "REASON"]
+    assert [row.split()[:2] for row in rows[1:]] == [["long", "running"]]
+
+    one = client(env, *base, "--state", "succeeded", "--limit", "1", "--json")
+    (only,) = json.loads(one.stdout)["invocations"]
+    assert only["state"] == "succeeded"
+    both = client(env, *base, "--state", "running,succeeded", "--json")
+    assert len(json.loads(both.stdout)["invocations"]) == 3
+
+    for bad, said in (
+        (["--state", "sleepy"], "--state: 'sleepy' is not one of queued"),
+        (["--limit", "0"], "--limit: must be from 1 to 10000 (got 0)"),
+    ):
+        refused = client(env, *base, *bad)
+        assert refused.returncode == 2
+        assert refused.stderr.startswith(f"litegraph-node: error: {said}"), refused.stderr
+
+
+def test_cancel_ends_a_running_invocation_and_names_what_it_cannot(
+    dev_state: tuple[str, pathlib.Path, dict[str, str]],
+) -> None:
+    url, state, env = dev_state
+    _start_long(url, state)
+    cancelled = client(env, "--state-dir", str(state), "cancel", "long")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout == "long: cancelled (cancel_requested)\n"
+    assert _state_of(url, state, "long") == "cancelled"  # it answered once released
+
+    unknown = client(env, "--state-dir", str(state), "cancel", "nobody")
+    assert unknown.returncode == 1
+    assert "404 unknown_invocation" in unknown.stderr
+    malformed = client(env, "--state-dir", str(state), "cancel", "../x")
+    assert malformed.returncode == 2
+    assert "'../x' is not an invocation id" in malformed.stderr
+    missing = client(env, "--state-dir", str(state), "cancel")
+    assert missing.returncode == 2
+
+
+def test_drain_and_resume_the_node_and_a_lane(
+    dev_state: tuple[str, pathlib.Path, dict[str, str]],
+) -> None:
+    url, state, env = dev_state
+    base = ("--state-dir", str(state))
+    _start_long(url, state)
+
+    drained = client(env, *base, "drain")
+    assert drained.returncode == 0, drained.stderr
+    said = ": drained; no new work is admitted, 1 running or queued go on\n"
+    assert drained.stdout.endswith(said)
+    status = client(env, *base, "status")
+    assert status.stdout.splitlines()[0].endswith(": NOT READY, DRAINED (admits no new work)")
+    refused = client(env, *base, "run", "--", "true")
+    assert refused.returncode == 1
+    assert "refused (503) node_draining" in refused.stderr
+    assert _state_of(url, state, "long") == "running"  # running work goes on
+    assert client(env, *base, "resume").stdout.endswith(": resumed; admitting work\n")
+
+    lanes = json.loads(client(env, *base, "status", "--json").stdout)["snapshot"]["lanes"]
+    cpu_lane = next(lane["lane_id"] for lane in lanes if lane["kind"] == "cpu")
+    lane_drained = client(env, *base, "drain", cpu_lane)
+    assert lane_drained.stdout == f"lane {cpu_lane}: drained\n"
+    (row,) = [r for r in client(env, *base, "status").stdout.splitlines() if r.startswith(cpu_lane)]
+    assert row.split()[-1] == "drained"
+    assert client(env, *base, "resume", cpu_lane).stdout == f"lane {cpu_lane}: resumed\n"
+
+    unknown = client(env, *base, "drain", "lane_0000000000000000")
+    assert unknown.returncode == 1 and "404 unknown_lane" in unknown.stderr
+    malformed = client(env, *base, "drain", "cpu")
+    assert malformed.returncode == 2 and "'cpu' is not a lane id" in malformed.stderr

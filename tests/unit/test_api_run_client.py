@@ -12,6 +12,7 @@ import trio
 
 import api.run_client
 from api.run_client import follow_command
+from supervisor.wire import InvocationRequest, ProcessWork
 
 
 def _status(invocation_id: str, state: str, stdout: str = "") -> dict[str, Any]:
@@ -62,7 +63,8 @@ async def test_run_returns_at_the_end_the_wait_reports_without_polling(
     monkeypatch.setattr(api.run_client.httpx, "AsyncClient", client)
     out, err = io.StringIO(), io.StringIO()
     with trio.fail_after(5):  # a client that only polls never sees it end here
-        code = await follow_command("http://node", "s", ["true"], timeout_s=60, out=out, err=err)
+        request = InvocationRequest(id="run-1", work=ProcessWork(argv=["true"]))
+        code = await follow_command("http://node", "s", request, out=out, err=err)
     assert code == 0, err.getvalue()
     assert out.getvalue() == "hi\n"  # printed once, though two reads carried it
     gets = [s for s in seen if s.startswith("GET")]

@@ -1,0 +1,131 @@
+"""`run`'s options as the InvocationRequest it submits; a bad value is a FlagError
+naming the flag (exit 2), found before anything reaches the daemon."""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from node.config import parse_size
+from node.flags import FlagError
+from node.machine.lanes import Isolation, Requirement
+from supervisor.process import InvalidProcessRequest, validate_env
+from supervisor.wire import MAX_TIMEOUT_S, InvocationRequest, ProcessWork, Resources
+
+__all__ = ["build_request", "parse_cpu"]
+
+_CPU = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(m?)\s*$")
+MAX_CPU_MILLIS = 2**31
+MAX_GPUS = 64
+
+
+def parse_cpu(text: str) -> int:
+    """Cores as CPU millis: `2`, `0.5` or `250m` (millicores)."""
+    match = _CPU.match(text)
+    if match is None:
+        raise ValueError("expected cores such as 2, 0.5 or 250m")
+    number, milli = float(match.group(1)), bool(match.group(2))
+    millis = math.ceil(number if milli else number * 1000)
+    if not 1 <= millis <= MAX_CPU_MILLIS:
+        raise ValueError(f"must be from 1m to {MAX_CPU_MILLIS}m")
+    return millis
+
+
+def _size(text: str) -> int:
+    value = parse_size(text)
+    if value > 2**53:
+        raise ValueError("too large")
+    return value
+
+
+def _memory(text: str) -> int:
+    value = _size(text)
+    if value < 1:
+        raise ValueError("must be above 0")  # 0 would mean no limit
+    return value
+
+
+def _gpus(count: int) -> int:
+    if not 0 <= count <= MAX_GPUS:
+        raise ValueError(f"must be from 0 to {MAX_GPUS}")
+    return count
+
+
+def _choice(kind: type[Isolation] | type[Requirement]) -> Callable[[str], Any]:
+    def check(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"expected one of {', '.join(k.value for k in kind)}") from None
+
+    return check
+
+
+def _env(pairs: list[Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        if not isinstance(pair, str) or "=" not in pair or pair.startswith("="):
+            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
+        key, _, value = pair.partition("=")
+        env[key] = value
+    try:
+        validate_env(env)
+    except InvalidProcessRequest as exc:
+        raise ValueError(str(exc).removeprefix("env.")) from None
+    return env
+
+
+def _cwd(text: str) -> str:
+    if text and (not text.startswith("/") or "\0" in text):
+        raise ValueError("must be an absolute path")
+    return text
+
+
+def _timeout(seconds: float) -> float:
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ValueError(f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+    return seconds
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "cpu": parse_cpu,
+    "memory": _memory,
+    "gpus": _gpus,
+    "vram": _size,
+    "isolation": _choice(Isolation),
+    "requirement": _choice(Requirement),
+    "env": _env,
+    "cwd": _cwd,
+    "timeout": _timeout,
+}
+
+
+def build_request(options: Mapping[str, Any], argv: list[str], cwd: str) -> InvocationRequest:
+    """The request for `run -- argv`; every bad option is named in one FlagError."""
+    checked: dict[str, Any] = {}
+    problems = []
+    for name, check in _CHECKS.items():
+        try:
+            checked[name] = check(options[name])
+        except ValueError as exc:
+            # A list (--env) names its bad item itself.
+            got = "" if isinstance(options[name], list) else f" (got {options[name]!r})"
+            problems.append(f"--{name}: {exc}{got}")
+    if problems:
+        raise FlagError("; ".join(problems))
+    return InvocationRequest(
+        id="run-" + secrets.token_hex(8),
+        work=ProcessWork(argv=argv, env=checked["env"], cwd=checked["cwd"] or cwd),
+        requirement=checked["requirement"],
+        resources=Resources(
+            cpu_millis=checked["cpu"],
+            memory_bytes=checked["memory"],
+            gpus=checked["gpus"],
+            vram_bytes=checked["vram"],
+        ),
+        isolation=checked["isolation"],
+        timeout_s=checked["timeout"],
+    )

@@ -1,0 +1,85 @@
+"""The human tables of `status` and `ls` (their `--json` prints the wire types instead)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from api.wire import NodeStatus
+from node.machine.snapshot import Amounts, NodeSnapshot
+from supervisor.wire import InvocationState, InvocationStatus
+
+__all__ = ["invocation_table", "status_text", "table"]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart, one line per row."""
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in (header, *rows)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def size(count: int) -> str:
+    value = float(count)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def cores(millis: int) -> str:
+    return f"{millis / 1000:g}"
+
+
+def _row(name: str, amounts: Amounts, show: Callable[[int], str]) -> list[str]:
+    return [
+        name,
+        show(amounts.capacity),
+        show(amounts.reserved),
+        show(amounts.allocated),
+        show(amounts.allocatable),
+    ]
+
+
+def status_text(node: NodeStatus, snapshot: NodeSnapshot) -> str:
+    readiness = "ready" if node.ready else "NOT READY"
+    drained = ", DRAINED (admits no new work)" if node.drained else ""
+    out = [f"node {node.node_id}: {readiness}{drained}\n"]
+    out += [f"  {key}: {why}\n" for key, why in sorted(node.readiness_reasons.items())]
+    capacity = snapshot.capacity
+    rows = [
+        _row("cpu (cores)", capacity.cpu_millis, cores),
+        _row("memory", capacity.memory_bytes, size),
+        _row("gpus", capacity.gpus, str),
+    ]
+    rows += [
+        [f"vram {v.lane_id}", size(v.capacity), size(v.reserved), size(v.allocated),
+         size(v.allocatable)]
+        for v in capacity.vram_bytes
+    ]  # fmt: skip
+    out += ["\n", table(["RESOURCE", "TOTAL", "RESERVED", "ALLOCATED", "FREE"], rows)]
+    lanes = [
+        [lane.lane_id, lane.kind.value, lane.mig_uuid or lane.device_id, lane.health.value,
+         "drained" if lane.drained else "-"]
+        for lane in snapshot.lanes
+    ]  # fmt: skip
+    out += ["\n", table(["LANE", "KIND", "DEVICE", "HEALTH", "DRAIN"], lanes)]
+    counts = [[state.value, str(node.invocations.get(state.value, 0))] for state in InvocationState]
+    out += ["\n", table(["INVOCATIONS", "COUNT"], counts)]
+    return "".join(out)
+
+
+def invocation_table(invocations: Sequence[InvocationStatus]) -> str:
+    rows = [
+        [inv.id, inv.state.value, inv.reason or "-",
+         "-" if inv.exit_code is None else str(inv.exit_code),
+         ",".join(lane.lane_id for lane in inv.lanes) or "-",
+         inv.submitted_at, inv.ended_at or "-"]
+        for inv in invocations
+    ]  # fmt: skip
+    return table(["ID", "STATE", "REASON", "EXIT", "LANES", "SUBMITTED", "ENDED"], rows)
