@@ -377,3 +377,20 @@ def test_drain_and_resume_the_node_and_a_lane(
     assert unknown.returncode == 1 and "404 unknown_lane" in unknown.stderr
     malformed = client(env, *base, "drain", "cpu")
     assert malformed.returncode == 2 and "'cpu' is not a lane id" in malformed.stderr
+
+
+def test_serve_is_found_from_its_state_dir_too(tmp_path: pathlib.Path) -> None:
+    state = tmp_path / "served"
+    argv = node_command(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--devices", "none"
+    )
+    with spawned(argv, clean_env()) as proc:
+        url = wait_for_line(proc, r"listening on (http://\S+)")
+        # Written once the daemon has started (after it logs where it listens).
+        _until((state / "address.json").exists)
+        assert json.loads((state / "address.json").read_text())["url"] == url
+        shown = client(clean_env(), "--state-dir", str(state), "status", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["node"]["ready"] is True
+        assert stop(proc, signal.SIGTERM) == 0
+    assert not (state / "address.json").exists()
