@@ -397,7 +397,8 @@ async def test_invocation_detail_follows_its_logs_live_beyond_the_status_tail(
         await tab.goto(f"{node.url}/#token={node.scheduler}&inv=chatty")
         stderr = "document.querySelector('#stderr').textContent"
         note = "document.querySelector('#stderr-bytes').textContent"
-        await tab.wait_for(f"{stderr}.includes('END')")
+        # The status's tail may show first; then the log route's bytes replace it.
+        await tab.wait_for(f"{note}.startsWith('(live') && {stderr}.includes('END')")
         # All of it, not the status's 4,096-character tail, and still open.
         assert (await tab.evaluate(stderr)).startswith("BEGIN\n")
         assert (await tab.evaluate(note)).startswith("(live, 9010 bytes")
