@@ -49,8 +49,7 @@ def _sample(at: str, device: DeviceSection) -> DeviceSample:
         at=at,
         health=str(device.health),
         memory_used_bytes=device.memory_used_bytes,
-        # Read by name: snapshots from before the field existed do not carry it.
-        utilization_gpu_percent=getattr(device, "utilization_gpu_percent", None),
+        utilization_gpu_percent=device.utilization_gpu_percent,
         temperature_c=device.temperature_c,
         power_w=device.power_w,
     )

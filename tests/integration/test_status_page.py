@@ -405,3 +405,54 @@ async def test_invocation_detail_follows_its_logs_live_beyond_the_status_tail(
         cancelled = await client.delete("/v1/invocations/chatty", headers=bearer(node.scheduler))
         assert cancelled.status_code == 200
         await tab.wait_for(f"{note}.startsWith('(complete')")
+
+
+LOADED_GPU = "GPU-5e1d0a3c-0000-4000-8000-00000000000c"
+LOADED = f"""
+[cpu]
+logical_cores = 4
+[memory]
+total = "8GiB"
+[[gpus]]
+uuid = "{LOADED_GPU}"
+name = "SimGPU"
+memory = "8GiB"
+temperature_c = 40.0
+power_w = 50.0
+[[faults]]
+at = 0.5
+gpu = "{LOADED_GPU}"
+kind = "load"
+utilization_gpu = 80.0
+memory_used = "6GiB"
+power_w = 200.0
+"""
+
+
+async def test_utilization_memory_and_power_graphs_follow_the_probes(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    sim = tmp_path / "sim.toml"
+    sim.write_text(LOADED)
+    async with serving(tmp_path, "--sim-file", str(sim), "--health-interval", "0.05") as (
+        node,
+        client,
+    ):
+        with trio.fail_after(10):  # samples from before the load and after it
+            while True:
+                reply = await client.get("/v1/devices/history", headers=bearer(node.scheduler))
+                (series,) = reply.json()["devices"]
+                samples = series["samples"]
+                if [s["utilization_gpu_percent"] for s in samples[-2:]] == [80.0, 80.0]:
+                    break
+                await trio.sleep(0.05)
+        assert samples[0]["utilization_gpu_percent"] == 0.0
+        assert (
+            samples[0]["memory_used_bytes"] == 0 and samples[-1]["memory_used_bytes"] == 6 * 2**30
+        )
+        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+    device = row(dom, "devices", LOADED_GPU)
+    assert re.search(r'aria-label="utilization over the last \d+ samples: 0 % to 80 %"', device)
+    assert re.search(r'aria-label="power over the last \d+ samples: 50 W to 200 W"', device)
+    assert "6.0 GiB / 8.0 GiB" in device and ">80 %<" in device and ">200 W<" in device
