@@ -1,10 +1,13 @@
-"""`litegraph-node run -- CMD ...`: submit its process invocation, follow it (waiting for
-its end with POST /v1/invocations:wait, printing output as it comes), cancel on Ctrl-C."""
+"""`litegraph-node run -- CMD ...`: submit a process invocation, stream every byte of its
+stdout to ours and its stderr to ours as it is written (GET .../logs, follow), wait for
+its end (POST /v1/invocations:wait), exit with its status; cancel on Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import TextIO
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import BinaryIO, cast
 
 import httpx
 import msgspec
@@ -19,35 +22,89 @@ from supervisor.wire import (
     WaitRequest,
 )
 
-__all__ = ["follow_command"]
+__all__ = ["BROKEN_PIPE_EXIT", "LogsLost", "OutputClosed", "follow_command", "follow_log"]
 
-# How long one wait lasts before the output written so far is printed.
-OUTPUT_SECONDS = 0.25
+# How long one wait lasts while the invocation is queued (so `running` shows at once).
+STATE_SECONDS = 0.25
+# ... and once it runs (the node answers the moment it ends).
+END_SECONDS = 30.0
 REQUEST_SECONDS = 15.0
+# A log stream cut by the network is resumed from its offset this many times in a row.
+RESUMES = 5
+RESUME_SECONDS = 0.5
 EXIT_CODES = {
     InvocationState.succeeded: 0,
     InvocationState.cancelled: 130,
     InvocationState.timed_out: 124,
 }
+# Our own stdout closed early (`run ... | head`): what a shell reports for SIGPIPE.
+BROKEN_PIPE_EXIT = 141
 
 
-class _Lost(Exception):
+class LogsLost(Exception):
     """The node no longer answers for the invocation."""
 
 
-def _new_output(tail: str, total: int, printed: int) -> tuple[str, int]:
-    """What of `tail` was not printed yet, given the byte counts."""
-    fresh = total - printed
-    if fresh <= 0:
-        return "", printed
-    data = tail.encode()
-    if fresh > len(data):
-        return f"[... {fresh - len(data)} bytes not kept ...]\n" + tail, total
-    return data[-fresh:].decode(errors="replace"), total
+class OutputClosed(Exception):
+    """Whoever reads our output stopped reading."""
 
 
 def _error_text(reply: httpx.Response) -> str:
     return error_text(reply.content)
+
+
+def _say(err: BinaryIO, line: str) -> None:
+    err.write(line.encode() + b"\n")
+    err.flush()
+
+
+def _generator(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    """httpx's chunk iterator is an async generator (typed as an iterator): closed at
+    once when the copy stops early, never left to the garbage collector."""
+    return cast("AsyncGenerator[bytes, None]", chunks)
+
+
+async def follow_log(
+    client: httpx.AsyncClient,
+    invocation_id: str,
+    stream: str,
+    sink: BinaryIO,
+    *,
+    follow: bool = True,
+) -> None:
+    """Copy one log stream into `sink`, byte for byte, as it is written; returns once
+    every byte was copied (with `follow`, once the invocation's output is complete).
+    A connection cut on the way is resumed from the last byte copied."""
+    offset, resumed = 0, 0
+    params = {"stream": stream, "follow": "1" if follow else "0"}
+    # No read deadline: a quiet guest sends nothing for as long as it likes.
+    timeout = httpx.Timeout(REQUEST_SECONDS, read=None)
+    while True:
+        try:
+            async with client.stream(
+                "GET",
+                f"/v1/invocations/{invocation_id}/logs",
+                params={**params, "offset": str(offset)},
+                timeout=timeout,
+            ) as reply:
+                if reply.status_code != 200:
+                    await reply.aread()
+                    raise LogsLost(_error_text(reply))
+                async with contextlib.aclosing(_generator(reply.aiter_bytes())) as chunks:
+                    async for chunk in chunks:
+                        try:
+                            sink.write(chunk)
+                            sink.flush()
+                        except BrokenPipeError:
+                            raise OutputClosed from None
+                        offset += len(chunk)
+                        resumed = 0
+            return
+        except httpx.TransportError as exc:
+            resumed += 1
+            if resumed > RESUMES:
+                raise LogsLost(f"the {stream} stream broke: {exc!r}") from None
+            await trio.sleep(RESUME_SECONDS)
 
 
 async def follow_command(
@@ -55,9 +112,11 @@ async def follow_command(
     secret: str,
     request: InvocationRequest,
     *,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
+    out: BinaryIO | None = None,
+    err: BinaryIO | None = None,
 ) -> int:
+    out = out or sys.stdout.buffer
+    err = err or sys.stderr.buffer
     invocation_id = request.id
     headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
     async with httpx.AsyncClient(
@@ -65,62 +124,92 @@ async def follow_command(
     ) as client:
         reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
         if reply.status_code != 202:
-            print(
-                f"litegraph-node run: refused ({reply.status_code}) {_error_text(reply)}", file=err
-            )
+            _say(err, f"litegraph-node run: refused ({reply.status_code}) {_error_text(reply)}")
             return 1
-        print(f"{invocation_id}: submitted", file=err, flush=True)
+        _say(err, f"{invocation_id}: submitted")
         try:
             return await _follow(client, invocation_id, out, err)
-        except BaseException:
+        except BaseException as raised:
             with trio.move_on_after(REQUEST_SECONDS, shield=True):
                 await client.delete(f"/v1/invocations/{invocation_id}")
-                print(f"\n{invocation_id}: cancelled", file=err, flush=True)
+                _say(err, f"\n{invocation_id}: cancelled")
+            if isinstance(raised, OutputClosed):
+                return BROKEN_PIPE_EXIT
             raise
 
 
-async def _wait(client: httpx.AsyncClient, invocation_id: str) -> InvocationStatus | None:
-    """Its status once it has ended, or None after OUTPUT_SECONDS (still running)."""
-    asked = WaitRequest(ids=[invocation_id], timeout_s=OUTPUT_SECONDS)
-    reply = await client.post("/v1/invocations:wait", content=msgspec.json.encode(asked))
+async def _wait(
+    client: httpx.AsyncClient, invocation_id: str, seconds: float
+) -> InvocationStatus | None:
+    """Its status once it has ended, or None after `seconds` (still queued or running)."""
+    asked = WaitRequest(ids=[invocation_id], timeout_s=seconds)
+    reply = await client.post(
+        "/v1/invocations:wait",
+        content=msgspec.json.encode(asked),
+        timeout=REQUEST_SECONDS + seconds,
+    )
     if reply.status_code != 200:
-        raise _Lost(_error_text(reply))
+        raise LogsLost(_error_text(reply))
     waited = msgspec.json.decode(reply.content, type=WaitReply)
     if waited.unknown:
-        raise _Lost("unknown_invocation: no such invocation")
+        raise LogsLost("unknown_invocation: no such invocation")
     return waited.ended[0] if waited.ended else None
 
 
 async def _status(client: httpx.AsyncClient, invocation_id: str) -> InvocationStatus:
     reply = await client.get(f"/v1/invocations/{invocation_id}")
     if reply.status_code != 200:
-        raise _Lost(_error_text(reply))
+        raise LogsLost(_error_text(reply))
     return msgspec.json.decode(reply.content, type=InvocationStatus)
 
 
-async def _follow(client: httpx.AsyncClient, invocation_id: str, out: TextIO, err: TextIO) -> int:
-    """Wait for the end (the node answers the moment it ends); between waits, print
-    the output written so far."""
-    printed_out = printed_err = 0
-    state: InvocationState | None = None
+async def _until_ended(
+    client: httpx.AsyncClient, invocation_id: str, err: BinaryIO
+) -> InvocationStatus:
+    """Wait for the end, saying when the invocation starts to run."""
+    state: InvocationState | None = InvocationState.queued
     while True:
-        try:
-            ended = await _wait(client, invocation_id)
-            status = ended if ended is not None else await _status(client, invocation_id)
-        except _Lost as lost:
-            print(f"litegraph-node run: lost the invocation: {lost}", file=err)
-            return 1
-        text, printed_out = _new_output(status.stdout_tail, status.stdout_bytes, printed_out)
-        out.write(text)
-        text, printed_err = _new_output(status.stderr_tail, status.stderr_bytes, printed_err)
-        err.write(text)
-        out.flush()
+        seconds = STATE_SECONDS if state is InvocationState.queued else END_SECONDS
+        ended = await _wait(client, invocation_id, seconds)
+        if ended is not None:
+            return ended
+        status = await _status(client, invocation_id)
         if status.state is not state:
             state = status.state
-            reason = f" ({status.reason})" if status.reason else ""
-            print(f"{invocation_id}: {state.value}{reason}", file=err, flush=True)
-        if state in (InvocationState.queued, InvocationState.running):
-            continue
-        if state is InvocationState.failed and status.exit_code is not None:
-            return status.exit_code if status.exit_code > 0 else 128 - status.exit_code
-        return EXIT_CODES.get(state, 1)
+            _say(err, f"{invocation_id}: {state.value}")
+
+
+async def _follow(
+    client: httpx.AsyncClient, invocation_id: str, out: BinaryIO, err: BinaryIO
+) -> int:
+    """Both streams and the end, at once; the end is said after the last byte."""
+    ended: list[InvocationStatus] = []
+    problems: list[BaseException] = []
+
+    async def guarded(job: Callable[..., Awaitable[None]], *args: object) -> None:
+        try:
+            await job(*args)
+        except (LogsLost, OutputClosed) as exc:
+            problems.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async def end() -> None:
+        ended.append(await _until_ended(client, invocation_id, err))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guarded, follow_log, client, invocation_id, "stdout", out)
+        nursery.start_soon(guarded, follow_log, client, invocation_id, "stderr", err)
+        nursery.start_soon(guarded, end)
+    if problems:
+        if isinstance(problems[0], OutputClosed):
+            raise problems[0]
+        _say(err, f"litegraph-node run: lost the invocation: {problems[0]}")
+        return 1
+    status = ended[0]
+    reason = f" ({status.reason})" if status.reason else ""
+    _say(err, f"{invocation_id}: {status.state.value}{reason}")
+    if status.logs_cut:
+        _say(err, f"{invocation_id}: output cut short on the node: {status.logs_cut}")
+    if status.state is InvocationState.failed and status.exit_code is not None:
+        return status.exit_code if status.exit_code > 0 else 128 - status.exit_code
+    return EXIT_CODES.get(status.state, 1)

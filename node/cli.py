@@ -56,6 +56,7 @@ COMMANDS = {
     "cancel": "cancel ID: cancel an invocation and wait until it has released everything",
     "drain": "drain [LANE]: admit no new work on a lane, or the whole node; running work goes on",
     "resume": "resume [LANE]: admit work again on a lane, or the whole node",
+    "logs": "logs ID [-f]: print an invocation's stdout (or --stream stderr); -f follows it",
     "contracts": "write (or --check) the JSON Schemas and OpenAPI in api/contracts/",
 }
 # The commands that read --sim-file; its file is checked before they start.
@@ -66,6 +67,7 @@ CLIENT_GLOBALS = ("state_dir", "auth_file")
 POSITIONAL: dict[str, tuple[int, int | None]] = {
     "run": (1, None),
     "cancel": (1, 1),
+    "logs": (1, 1),
     "drain": (0, 1),
     "resume": (0, 1),
 }
@@ -210,24 +212,71 @@ def _cmd_snapshot(inv: Invocation) -> int:
     return 0
 
 
+def _node_target(inv: Invocation) -> tuple[str, str] | None:
+    """(URL, scheduler secret) of the local node; None after saying why there is none."""
+    try:
+        target = find_target(_local_config(inv), inv.options.get("url", ""))
+        return target.url, target.secret()
+    except ClientError as exc:
+        print(f"{PROG} {inv.command}: {exc}", file=sys.stderr)
+        return None
+
+
+def _run_client(inv: Invocation, url: str, job: Callable[[], Any]) -> int:
+    from api.run_client import BROKEN_PIPE_EXIT
+
+    try:
+        code: int = trio.run(job)
+    except BaseException as raised:  # the client's tasks wrap what they raise in groups
+        if sole_error(raised, KeyboardInterrupt) is not None:
+            return 130
+        if (unreachable := sole_error(raised, httpx.HTTPError)) is not None:
+            print(f"{PROG} {inv.command}: cannot reach {url}: {unreachable}", file=sys.stderr)
+            return 1
+        raise
+    if code == BROKEN_PIPE_EXIT:
+        # Whoever read our stdout is gone: nothing more may be flushed to it at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
+
+
 def _cmd_run(inv: Invocation) -> int:
     from api.run_client import follow_command
 
-    try:
-        target = find_target(_local_config(inv), inv.options.get("url", ""))
-        secret = target.secret()
-    except ClientError as exc:
-        print(f"{PROG} run: {exc}", file=sys.stderr)
+    target = _node_target(inv)
+    if target is None:
         return 1
-    url = target.url
-    try:
-        assert inv.request is not None
-        return trio.run(functools.partial(follow_command, url, secret, inv.request))
-    except KeyboardInterrupt:
-        return 130
-    except httpx.HTTPError as exc:
-        print(f"{PROG} run: cannot reach {url}: {exc}", file=sys.stderr)
+    url, secret = target
+    assert inv.request is not None  # built (or refused) before any command runs
+    return _run_client(
+        inv,
+        url,
+        functools.partial(follow_command, url, secret, inv.request),
+    )
+
+
+def _cmd_logs(inv: Invocation) -> int:
+    from api.logs_client import print_logs
+
+    stream = inv.options["stream"]
+    if stream not in ("stdout", "stderr") or len(inv.positional) != 1:
+        print(
+            f"{PROG}: error: logs: give one invocation id, --stream stdout|stderr", file=sys.stderr
+        )
+        return 2
+    target = _node_target(inv)
+    if target is None:
         return 1
+    url, secret = target
+    job = functools.partial(
+        print_logs,
+        url,
+        secret,
+        inv.positional[0],
+        inv.options["stream"],
+        follow=inv.options["follow"],
+    )
+    return _run_client(inv, url, job)
 
 
 def _cmd_contracts(inv: Invocation) -> int:
@@ -259,6 +308,7 @@ HANDLERS: dict[str, Callable[[Invocation], int]] = {
     "dev": _cmd_dev,
     "snapshot": _cmd_snapshot,
     "run": _cmd_run,
+    "logs": _cmd_logs,
     "contracts": _cmd_contracts,
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -95,3 +97,67 @@ def test_run_without_a_node_fails_with_one_clear_line(tmp_path: pathlib.Path) ->
     )
     assert result.returncode == 1
     assert "no daemon is running with state folder" in result.stderr
+
+
+def _client(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
+    """A client command (`run`, `logs`) to its end, its output as bytes."""
+    return subprocess.run(
+        node_command(*args), capture_output=True, env=env, cwd=guest_cwd(), timeout=120
+    )
+
+
+def test_run_streams_every_byte_of_a_large_output(
+    dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
+) -> None:
+    url, env, _ = dev_node
+    result = _client(env, "run", "--url", url, "--", "sh", "-c", "seq 1 200000; echo bye >&2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(b"\n") == 200000
+    assert result.stdout == "".join(f"{n}\n" for n in range(1, 200001)).encode()
+    assert b"bye\n" in result.stderr and b"not kept" not in result.stderr
+
+
+def test_a_python_guests_line_arrives_before_it_ends(
+    dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
+) -> None:
+    url, env, _ = dev_node
+    script = "import time; print('early'); time.sleep(4); print('late')"
+    argv = node_command("run", "--url", url, "--", "python3", "-c", script)
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=guest_cwd()
+    ) as run:
+        watchdog = threading.Timer(60, run.kill)
+        watchdog.start()
+        try:
+            assert run.stdout is not None
+            first = run.stdout.readline()
+            first_at = time.monotonic()
+            rest = run.stdout.read()
+            ended_at = time.monotonic()
+            assert run.wait() == 0
+        finally:
+            watchdog.cancel()
+    assert (first, rest) == (b"early\n", b"late\n")
+    assert ended_at - first_at > 2  # printed live, not when the guest ended
+
+
+def test_logs_prints_a_stream_after_the_end_and_follows_a_running_one(
+    dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
+) -> None:
+    url, env, _ = dev_node
+    with spawned(
+        node_command("run", "--url", url, "--", "sh", "-c", "echo out; echo err >&2; sleep 3"),
+        env,
+    ) as run:
+        invocation_id = wait_for_line(run, r"(run-[0-9a-f]+): running")
+        followed = _client(env, "logs", "--url", url, "-f", invocation_id)
+        assert run.wait(timeout=60) == 0
+    assert followed.returncode == 0 and followed.stdout == b"out\n", followed.stderr
+
+    def logs(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return _client(env, "logs", "--url", url, *args)
+
+    assert logs(invocation_id, "--stream", "stderr").stdout == b"err\n"
+    unknown = logs("run-nope")
+    assert unknown.returncode == 1 and b"unknown_invocation" in unknown.stderr
+    assert logs(invocation_id, "--stream", "stdin").returncode == 2

@@ -1,4 +1,5 @@
-"""The `run` client learns that its invocation ended from one wait, not by polling."""
+"""The `run` client streams the guest's output byte for byte and learns that its
+invocation ended from one wait, not by polling."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from api.run_client import follow_command
 from supervisor.wire import InvocationRequest, ProcessWork
 
 
-def _status(invocation_id: str, state: str, stdout: str = "") -> dict[str, Any]:
+def _status(invocation_id: str, state: str, **fields: Any) -> dict[str, Any]:
     return {
         "id": invocation_id,
         "state": state,
@@ -24,15 +25,11 @@ def _status(invocation_id: str, state: str, stdout: str = "") -> dict[str, Any]:
         "lanes": [],
         "exit_code": 0 if state == "succeeded" else None,
         "submitted_at": "2026-01-01T00:00:00Z",
-        "stdout_tail": stdout,
-        "stdout_bytes": len(stdout),
+        **fields,
     }
 
 
-async def test_run_returns_at_the_end_the_wait_reports_without_polling(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    seen: list[str] = []
+def _node(seen: list[str], logs: dict[str, list[bytes]], **ended: Any) -> Any:
     waits = [0]
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -50,22 +47,70 @@ async def test_run_returns_at_the_end_the_wait_reports_without_polling(
                 return httpx.Response(
                     200, json={"ended": [], "pending": asked["ids"], "unknown": []}
                 )
-            ended = _status(asked["ids"][0], "succeeded", "hi\n")
-            return httpx.Response(200, json={"ended": [ended], "pending": [], "unknown": []})
+            done = _status(asked["ids"][0], "succeeded", **ended)
+            return httpx.Response(200, json={"ended": [done], "pending": [], "unknown": []})
+        if request.url.path.endswith("/logs"):
+            stream = request.url.params["stream"]
+            assert request.url.params["follow"] == "1"
+            offset = int(request.url.params["offset"])
+            return httpx.Response(200, content=b"".join(logs[stream])[offset:])
         invocation_id = request.url.path.rsplit("/", 1)[-1]
-        return httpx.Response(200, json=_status(invocation_id, "running", "hi\n"))
+        return httpx.Response(200, json=_status(invocation_id, "running"))
 
+    return handler
+
+
+def _patch(monkeypatch: pytest.MonkeyPatch, handler: Any) -> None:
     real_client = httpx.AsyncClient
 
     def client(**kw: Any) -> httpx.AsyncClient:
         return real_client(transport=httpx.MockTransport(handler), **kw)
 
     monkeypatch.setattr(api.run_client.httpx, "AsyncClient", client)
-    out, err = io.StringIO(), io.StringIO()
+
+
+async def test_run_copies_both_streams_and_returns_at_the_end_the_wait_reports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[str] = []
+    big = b"".join(b"%d\n" % n for n in range(1, 200001))
+    _patch(monkeypatch, _node(seen, {"stdout": [big], "stderr": [b"warn\n"]}))
+    out, err = io.BytesIO(), io.BytesIO()
     with trio.fail_after(5):  # a client that only polls never sees it end here
         request = InvocationRequest(id="run-1", work=ProcessWork(argv=["true"]))
         code = await follow_command("http://node", "s", request, out=out, err=err)
     assert code == 0, err.getvalue()
-    assert out.getvalue() == "hi\n"  # printed once, though two reads carried it
-    gets = [s for s in seen if s.startswith("GET")]
-    assert seen.count("POST /v1/invocations:wait") == 2 and len(gets) == 1
+    assert out.getvalue() == big  # every byte, not a tail
+    assert b"warn\n" in err.getvalue()
+    assert err.getvalue().rstrip().endswith(b": succeeded")  # said after the last byte
+    assert seen.count("POST /v1/invocations:wait") == 2
+
+
+async def test_run_says_when_the_node_cut_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    handler = _node(seen, {"stdout": [b"abc"], "stderr": []}, logs_cut="write_failed: disk full")
+    _patch(monkeypatch, handler)
+    out, err = io.BytesIO(), io.BytesIO()
+    with trio.fail_after(5):
+        request = InvocationRequest(id="run-2", work=ProcessWork(argv=["true"]))
+        code = await follow_command("http://node", "s", request, out=out, err=err)
+    assert code == 0 and out.getvalue() == b"abc"
+    assert b"output cut short on the node: write_failed: disk full" in err.getvalue()
+
+
+class _ClosedPipe(io.BytesIO):
+    def write(self, data: Any) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+async def test_run_whose_reader_left_cancels_the_invocation_and_exits_141(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[str] = []
+    _patch(monkeypatch, _node(seen, {"stdout": [b"1\n2\n"], "stderr": []}))
+    err = io.BytesIO()
+    with trio.fail_after(5):
+        request = InvocationRequest(id="run-3", work=ProcessWork(argv=["seq", "9"]))
+        code = await follow_command("http://node", "s", request, out=_ClosedPipe(), err=err)
+    assert code == 141  # as a shell reports SIGPIPE
+    assert any(s.startswith("DELETE /v1/invocations/run-") for s in seen)
