@@ -137,6 +137,9 @@ async def _batch_item(
 
 def _log_query() -> tuple[str, int, bool]:
     """(stream, offset, follow) from the query; 400 `invalid_query` for anything else."""
+    unknown = sorted(set(request.args) - {"stream", "offset", "follow"})
+    if unknown:
+        raise ApiError(400, "invalid_query", f"unknown query parameter {unknown[0]!r}")
     stream = request.args.get("stream", "stdout")
     offset_text = request.args.get("offset", "0")
     follow_text = request.args.get("follow", "0")

@@ -111,7 +111,13 @@ async def test_logs_refusals(tmp_path: pathlib.Path) -> None:
         assert (await client.get("/v1/invocations/e/logs")).status_code == 401
         wrong = await client.get("/v1/invocations/e/logs", headers=bearer("nope"))
         assert wrong.status_code == 401
-        for query in ({"stream": "stdin"}, {"offset": "-1"}, {"offset": "x"}, {"follow": "2"}):
+        for query in (
+            {"stream": "stdin"},
+            {"offset": "-1"},
+            {"offset": "x"},
+            {"follow": "2"},
+            {"": "1"},
+        ):
             bad = await client.get(
                 "/v1/invocations/e/logs", params=query, headers=bearer(node.scheduler)
             )
