@@ -295,6 +295,17 @@ async def _drained(client: httpx.AsyncClient, secret: str, lane_id: str) -> bool
     return next(lane.drained for lane in snapshot.lanes if lane.lane_id == lane_id)
 
 
+async def _sign_in(tab: cdp.Page, url: str, secret: str) -> None:
+    """Open the page with no secret in its address and paste `secret` into the form."""
+    await tab.goto(f"{url}/")
+    await tab.wait_for("!document.querySelector('#login').hidden")
+    await tab.evaluate(
+        f"document.querySelector('#token').value = {json.dumps(secret)};"
+        " document.querySelector('#login').requestSubmit(); true"
+    )
+    await tab.wait_for("document.querySelector('#role').textContent.startsWith('signed in')")
+
+
 async def test_an_admin_signs_in_on_the_page_and_drains_then_resumes_a_lane(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -302,12 +313,7 @@ async def test_an_admin_signs_in_on_the_page_and_drains_then_resumes_a_lane(
     async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
         lane = (await get_snapshot(client, node.scheduler)).lanes[-1].lane_id
         button = f"document.querySelector('tr[data-lane=\"{lane}\"] button.lane-action')"
-        await tab.goto(f"{node.url}/")
-        await tab.wait_for("!document.querySelector('#login').hidden")
-        await tab.evaluate(
-            f"document.querySelector('#token').value = {json.dumps(node.admin)};"
-            " document.querySelector('#login').requestSubmit(); true"
-        )
+        await _sign_in(tab, node.url, node.admin)
         await tab.wait_for(f"{button}?.dataset.action === 'drain'")
         assert await tab.evaluate("document.querySelector('#role').textContent") == (
             "signed in as admin"
@@ -456,3 +462,40 @@ async def test_utilization_memory_and_power_graphs_follow_the_probes(
     assert re.search(r'aria-label="utilization over the last \d+ samples: 0 % to 80 %"', device)
     assert re.search(r'aria-label="power over the last \d+ samples: 50 W to 200 W"', device)
     assert "6.0 GiB / 8.0 GiB" in device and ">80 %<" in device and ">200 W<" in device
+
+
+async def test_an_admin_drains_and_resumes_the_whole_node_from_the_page(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    async with (
+        serving(tmp_path) as (node, client),
+        cdp.page(browser, tmp_path / "profile") as tab,
+    ):
+        await _sign_in(tab, node.url, node.admin)
+        button = "document.querySelector('#node-action')"
+        banner = "document.querySelector('#node-banner')"
+        await tab.wait_for(f"{button}.dataset.action === 'drain' && !{button}.closest('[hidden]')")
+        assert await tab.evaluate(f"{banner}.hidden")
+        await tab.evaluate(f"{button}.click(); true")
+        await tab.wait_for(f"!{banner}.hidden && {button}.dataset.action === 'resume'")
+        assert (await get_snapshot(client, node.scheduler)).drained
+        refused = await client.post(
+            "/v1/invocations", json=builtin_request("while-drained"), headers=bearer(node.admin)
+        )
+        assert refused.status_code == 503
+        await tab.evaluate(f"{button}.click(); true")
+        await tab.wait_for(f"{banner}.hidden && {button}.dataset.action === 'drain'")
+        assert not (await get_snapshot(client, node.scheduler)).drained
+
+
+async def test_a_scheduler_sees_a_drained_node_but_no_node_button(tmp_path: pathlib.Path) -> None:
+    browser = chromium()
+    async with serving(tmp_path) as (node, client):
+        assert (await client.post("/v1/node/drain", headers=bearer(node.admin))).status_code == 200
+        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+        refused = await client.post("/v1/node/resume", headers=bearer(node.scheduler))
+        assert refused.status_code == 403
+        assert (await get_snapshot(client, node.scheduler)).drained
+    assert re.search(r'<div id="node-banner" class="banner drained" role="alert">', dom)
+    assert re.search(r'<div id="node-admin" hidden', dom)
