@@ -259,10 +259,8 @@ def _cmd_logs(inv: Invocation) -> int:
     from api.logs_client import print_logs
 
     stream = inv.options["stream"]
-    if stream not in ("stdout", "stderr") or len(inv.positional) != 1:
-        print(
-            f"{PROG}: error: logs: give one invocation id, --stream stdout|stderr", file=sys.stderr
-        )
+    if stream not in ("stdout", "stderr"):  # the id count is checked with POSITIONAL
+        print(f"{PROG}: error: --stream: stdout or stderr (got {stream!r})", file=sys.stderr)
         return 2
     target = _node_target(inv)
     if target is None:
@@ -273,7 +271,7 @@ def _cmd_logs(inv: Invocation) -> int:
         url,
         secret,
         inv.positional[0],
-        inv.options["stream"],
+        stream,
         follow=inv.options["follow"],
     )
     return _run_client(inv, url, job)
