@@ -47,6 +47,7 @@ _MAX_OFFSET = 2**62
 
 LIST_PARAMETERS = frozenset({"state", "limit", "cursor"})
 _LIMIT = re.compile(r"[0-9]{1,4}")
+_ACTIVE = frozenset({InvocationState.queued, InvocationState.running})
 
 
 def _one(name: str) -> str | None:
@@ -152,20 +153,29 @@ def _log_query() -> tuple[str, int, bool]:
     return stream, int(offset_text), follow_text == "1"
 
 
-def _find_logs(sup: Supervisor, invocation_id: str) -> InvocationLogs:
+def _find_logs(sup: Supervisor, invocation_id: str) -> InvocationLogs | None:
+    """Its logs; None for an ended invocation that wrote nothing (it has no files, and
+    after a restart no entry either: its logs are empty, not lost)."""
     logs = sup.logs.find(invocation_id) if sup.logs is not None else None
     if logs is not None:
         return logs
     try:
-        sup.get(invocation_id)
+        status = sup.get(invocation_id)
     except UnknownInvocation:
         raise ApiError(404, "unknown_invocation", "no such invocation") from None
+    wrote = status.stdout_bytes or status.stderr_bytes
+    if sup.logs is not None and not wrote and status.state not in _ACTIVE:
+        return None
     raise ApiError(404, "logs_unavailable", "its logs were not kept or are removed")
 
 
-def _log_response(sup: Supervisor, logs: InvocationLogs, query: tuple[str, int, bool]) -> Response:
+def _log_response(
+    sup: Supervisor, logs: InvocationLogs | None, query: tuple[str, int, bool]
+) -> Response:
     store = sup.logs
     assert store is not None
+    if logs is None:
+        return _no_store(Response(b"", content_type="application/octet-stream"))
     if store.readers >= MAX_LOG_READERS:
         raise ApiError(
             429, "too_many_readers", "too many log streams are open", headers={"Retry-After": "5"}
@@ -182,8 +192,12 @@ def _log_response(sup: Supervisor, logs: InvocationLogs, query: tuple[str, int, 
             store.readers -= 1
 
     response = Response(body(), content_type="application/octet-stream")
-    response.headers["Cache-Control"] = "no-store"
     response.timeout = None  # a follower lives as long as the invocation's output
+    return _no_store(response)
+
+
+def _no_store(response: Response) -> Response:
+    response.headers["Cache-Control"] = "no-store"
     return response
 
 

@@ -45,7 +45,7 @@ async def read_log(
             closed, changed = logs.closed, logs.changed
             data = b""
             with trio.fail_after(READ_SECONDS):
-                if fd is None and logs.created:
+                if fd is None and logs.on_disk(stream):
                     fd = await trio.to_thread.run_sync(_open, logs, stream)
                     if fd is None:
                         return  # removed (evicted, or past its retention)

@@ -1,7 +1,9 @@
 """Invocation logs on disk: every byte of each invocation's stdout and stderr, bounded.
 
 Each invocation gets `<folder>/<id>.stdout` and `<id>.stderr` (mode 0600 in a 0700
-folder of the state folder, which the sandbox masks from every guest). Bounds: at
+folder of the state folder, which the sandbox masks from every guest), each made at
+its stream's first byte: an invocation that writes nothing costs no file and no disk
+call, and its logs read as empty. Bounds: at
 most `invocation_bytes` per invocation (both streams; later bytes are cut and only
 the status's tail shows them), `total_bytes` over every log (the logs of the
 invocations that ended first are evicted, never a live one's; when live logs alone
@@ -62,13 +64,23 @@ class InvocationLogs:
         self._store = store
         self.bytes = 0  # counted against the bounds (both files)
         self.cut: str | None = None  # why some bytes were not kept
-        self.created = False  # the files exist (readers wait until then)
+        self.created = False  # it takes bytes (an older run's files of the id are gone)
         self.closed = False  # no byte will be added any more
         self.ended_at: float | None = None  # wall clock
         self._changed = trio.Event()
+        # Streams whose file this run made (or found at start); only these are read.
+        self._on_disk: set[str] = set()
+        self.stale = False  # an older run of the id left files that must go first
 
     def path(self, stream: str) -> Path:
         return self._store.folder / f"{self.id}.{stream}"
+
+    def on_disk(self, stream: str) -> bool:
+        """`stream` has a file of this run's (a stream never written has none)."""
+        return stream in self._on_disk
+
+    def files(self) -> list[Path]:
+        return [self.path(s) for s in STREAMS if s in self._on_disk]
 
     @property
     def changed(self) -> trio.Event:
@@ -85,12 +97,18 @@ class InvocationLogs:
             log.warning("logs of %s cut: %s", self.id, reason)
 
     async def create(self) -> None:
-        """Create both (empty) files; a failure cuts the logs, never the invocation."""
-        try:
-            await self._store.in_thread(_create, [self.path(s) for s in STREAMS])
-            self.created = True
-        except (OSError, trio.TooSlowError) as exc:
-            self._cut_at(_failure("create_failed", exc))
+        """Take bytes from now on. No file is made here (each stream's is made at its first
+        byte) unless an older run of the id left files: they are emptied first, so that no
+        reader sees them. A failure cuts the logs, never the invocation."""
+        if self.stale:
+            try:
+                await self._store.in_thread(_create, [self.path(s) for s in STREAMS])
+                self._on_disk.update(STREAMS)
+            except (OSError, trio.TooSlowError) as exc:
+                self._cut_at(_failure("create_failed", exc))
+                self._notify()
+                return
+        self.created = True
         self._notify()
 
     async def write(self, stream: str, data: bytes) -> None:
@@ -102,10 +120,16 @@ class InvocationLogs:
             self._cut_at(reason)
         if not allowed and not victims:
             return
+        first = allowed > 0 and stream not in self._on_disk
         try:
-            await self._store.in_thread(_append, self.path(stream), data[:allowed], victims)
+            await self._store.in_thread(_append, self.path(stream), data[:allowed], victims, first)
         except (OSError, trio.TooSlowError) as exc:
             self._cut_at(_failure("write_failed", exc))
+        finally:
+            # Readers open the file only from now on (after a failed first write it may
+            # be missing: that reads as empty). Per-stream writes are never concurrent.
+            if allowed:
+                self._on_disk.add(stream)
         self._notify()
 
     async def close(self) -> None:
@@ -135,12 +159,16 @@ def _create(paths: list[Path]) -> None:
         os.close(fd)
 
 
-def _append(path: Path, data: bytes, victims: list[Path]) -> None:
+def _append(path: Path, data: bytes, victims: list[Path], first: bool) -> None:
     _unlink(victims)
     if not data:
         return
-    # No O_CREAT: a file removed under us is not made again.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # Created (and emptied) at the stream's first byte only: a file removed under us
+    # later is not made again.
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    if first:
+        flags |= os.O_CREAT | os.O_TRUNC
+    fd = os.open(path, flags, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -178,6 +206,7 @@ class LogStore:
         for invocation_id, (size, ended_at) in sorted(found.items(), key=lambda kv: kv[1][1]):
             logs = InvocationLogs(store, invocation_id)
             logs.created = logs.closed = True
+            logs._on_disk.update(STREAMS)
             logs.bytes, logs.ended_at = size, ended_at
             store._ended[invocation_id] = logs
             store.total += size
@@ -197,9 +226,10 @@ class LogStore:
     def begin(self, invocation_id: str) -> InvocationLogs:
         """Logs for an invocation that starts now (an older run's logs of the id go)."""
         old = self._ended.pop(invocation_id, None) or self._live.pop(invocation_id, None)
-        if old is not None:
-            self.total -= old.bytes  # its files are truncated by `create`
         logs = InvocationLogs(self, invocation_id)
+        if old is not None:
+            self.total -= old.bytes
+            logs.stale = bool(old.files())  # emptied by `create`
         self._live[invocation_id] = logs
         return logs
 
@@ -233,7 +263,7 @@ class LogStore:
     def _forget(self, invocation_id: str) -> list[Path]:
         logs = self._ended.pop(invocation_id)
         self.total -= logs.bytes
-        return [logs.path(s) for s in STREAMS]
+        return logs.files()
 
     def _over_bounds(self, now: float) -> list[Path]:
         """Forget the ended logs past their retention, beyond MAX_KEPT or the total."""

@@ -86,6 +86,35 @@ async def test_a_follower_gets_output_while_the_invocation_runs(tmp_path: pathli
         assert done.state is InvocationState.succeeded
 
 
+async def test_an_invocation_that_writes_nothing_has_no_files_and_empty_logs(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        body = builtin_request("quiet", "echo", {"text": ""})
+        await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+        done = await wait_for_state(client, node.scheduler, "quiet")
+        assert done.state is InvocationState.succeeded and done.stdout_bytes == 0
+        assert list((tmp_path / "state" / "logs").iterdir()) == []
+        for stream in ("stdout", "stderr"):
+            reply = await client.get(
+                "/v1/invocations/quiet/logs",
+                params={"stream": stream, "follow": "1"},
+                headers=bearer(node.scheduler),
+            )
+            assert reply.status_code == 200 and reply.content == b"", reply.text
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        # Nothing on disk told the new run about it: its logs are empty, not lost.
+        reply = await client.get("/v1/invocations/quiet/logs", headers=bearer(node.scheduler))
+        assert reply.status_code == 200 and reply.content == b"", reply.text
+        assert reply.headers["cache-control"] == "no-store"
+
+
 async def test_logs_cut_at_the_bound_say_so_in_the_status(tmp_path: pathlib.Path) -> None:
     async with (
         running_daemon(tmp_path, "--logs-max-bytes", "4") as node,

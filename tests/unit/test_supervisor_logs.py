@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 import supervisor.logstore
 from supervisor.logread import read_log
@@ -68,6 +69,8 @@ async def test_every_byte_of_a_large_output_reaches_the_log(tmp_path: Path) -> N
 async def test_files_are_the_daemons_alone(tmp_path: Path) -> None:
     store = await LogStore.open(tmp_path / "logs", LIMITS)
     logs = await _started(store, "private")
+    await logs.write("stdout", b"out")
+    await logs.write("stderr", b"err")
     assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
     for stream in ("stdout", "stderr"):
         info = logs.path(stream).stat()
@@ -143,7 +146,7 @@ async def test_a_full_disk_cuts_the_logs_and_never_raises(
     logs = await _started(store, "full")
     await logs.write("stdout", b"kept\n")
 
-    def full(path: Path, data: bytes, victims: list[Path]) -> None:
+    def full(path: Path, data: bytes, victims: list[Path], first: bool) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(supervisor.logstore, "_append", full)
@@ -159,15 +162,81 @@ async def test_a_disk_that_refuses_even_the_files_cuts_the_logs(
 ) -> None:
     store = await LogStore.open(tmp_path / "logs", LIMITS)
 
-    def full(paths: list[Path]) -> None:
+    def full(path: Path, data: bytes, victims: list[Path], first: bool) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(supervisor.logstore, "_create", full)
+    monkeypatch.setattr(supervisor.logstore, "_append", full)
     logs = await _started(store, "nofile")
     await logs.write("stdout", b"lost\n")
     await logs.close()
-    assert logs.cut == "create_failed: disk full"
+    assert logs.cut == "write_failed: disk full"
     assert await _read(logs) == b""
+
+
+async def test_an_invocation_that_writes_nothing_costs_no_file_and_reads_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    calls: list[object] = []
+    in_thread = store.in_thread
+
+    async def counted(fn: object, *args: object) -> None:
+        calls.append(fn)
+        await in_thread(fn, *args)
+
+    monkeypatch.setattr(store, "in_thread", counted)
+    monkeypatch.setattr(supervisor.logstore, "MAX_KEPT", 2)
+    for n in range(4):  # past MAX_KEPT: the oldest are forgotten, with no file to remove
+        logs = await _started(store, f"quiet-{n}")
+        await logs.write("stdout", b"")
+        await logs.close()
+    assert calls == [] and list((tmp_path / "logs").iterdir()) == []
+    found = store.find("quiet-3")
+    assert found is not None and store.find("quiet-0") is None
+    assert await _read(found) == b"" and await _read(found, "stderr") == b""
+    with trio.fail_after(5):  # a follower of closed, empty logs ends at once
+        assert [c async for c in read_log(found, "stdout", 0, follow=True)] == []
+
+
+async def test_a_follower_waits_for_a_stream_that_has_no_file_yet(tmp_path: Path) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    logs = await _started(store, "late")
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+
+        async def follow() -> None:
+            got.extend([c async for c in read_log(logs, "stderr", 0, follow=True)])
+
+        nursery.start_soon(follow)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not logs.path("stderr").exists() and got == []
+        await logs.write("stderr", b"at last\n")
+        await logs.close()
+    assert got == [b"at last\n"]
+
+
+async def test_a_rerun_of_an_id_never_shows_the_older_runs_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    old = await _started(store, "again")
+    await old.write("stdout", b"old run\n")
+    await old.close()
+    rerun = await _started(store, "again")  # writes nothing
+    await rerun.close()
+    assert await _read(rerun) == b"" and store.total == 0
+    assert rerun.path("stdout").read_bytes() == b""  # emptied, not left behind
+
+    def full(paths: list[Path]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    third = store.begin("again")
+    third.path("stdout").write_bytes(b"older\n")
+    monkeypatch.setattr(supervisor.logstore, "_create", full)
+    await third.create()
+    await third.write("stdout", b"lost\n")
+    assert third.cut == "create_failed: disk full"
+    assert await _read(third) == b""
 
 
 async def test_logs_are_read_after_a_restart_and_removed_after_their_retention(
@@ -198,6 +267,8 @@ async def test_logs_are_read_after_a_restart_and_removed_after_their_retention(
 async def test_logs_past_their_retention_are_gone_at_start(tmp_path: Path) -> None:
     store = await LogStore.open(tmp_path / "logs", LIMITS)
     logs = await _started(store, "stale")
+    await logs.write("stdout", b"x")
+    await logs.write("stderr", b"y")
     await logs.close()
     long_ago = time.time() - LIMITS.retention_s - 10
     for stream in ("stdout", "stderr"):
