@@ -2,7 +2,7 @@
 
 Each `commit(record)` queues its frame and waits until the batch holding it is
 written and fsynced (`Journal.append_framed`, one write, one fsync, run by the
-machine's journal runner: a worker thread, one write at a time, a deadline).
+machine's journal runner: the journal's writer thread, one write at a time, a deadline).
 Only then does it return, so the durability promise of a single append holds
 for every record: the caller learns "durable" or gets the error.
 A failed batch is cut back by the journal as a whole, and every waiter of that

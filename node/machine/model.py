@@ -3,7 +3,7 @@
 `Machine.open(...)` takes plain parameters (no Config): it discovers devices,
 seeds health from the first readings, opens the journal, adopts what it held
 and reconciles leftovers of a dead daemon. Reserving journals the grant
-(fsync, in a worker thread, under a deadline) before returning it; records
+(fsync, in the journal's writer thread, under a deadline) before returning it; records
 that arrive while an fsync is in flight share the next one (group commit,
 `group_commit.py`); if the
 journal cannot record it the ledger gives it back and the caller gets the
@@ -41,6 +41,7 @@ from node.machine.journal import (
     ReleaseRecord,
     ReserveRecord,
 )
+from node.machine.journal_writer import JournalWriter
 from node.machine.lanes import build_lanes
 from node.machine.ledger import Ledger, Reservation, ReservationRequest
 from node.machine.monitor import probe_once, sync_ledger
@@ -142,7 +143,8 @@ class Machine:
         self.removed_cgroups: list[str] = []
         self._sequence = 0
         self._journal_timeout = journal_timeout
-        self._journal_limiter = trio.CapacityLimiter(1)
+        # The journal's writes, one at a time, in a thread kept for them.
+        self._writer = JournalWriter()
         self.group_commit = GroupCommit(journal, run=self._journal, timeout=journal_timeout)
 
     @classmethod
@@ -211,9 +213,7 @@ class Machine:
 
     async def _journal(self, write: Callable[[], T]) -> T:
         with trio.fail_after(self._journal_timeout):
-            return await trio.to_thread.run_sync(
-                write, limiter=self._journal_limiter, abandon_on_cancel=True
-            )
+            return await self._writer.run(write)
 
     async def reserve(self, request: ReservationRequest) -> Reservation:
         """Reserve and journal; raises ReservationRefused, or the journal's error."""
@@ -364,12 +364,11 @@ class Machine:
         if self.inventory.source is not None:
             await self.inventory.source.aclose()
         # A journal write abandoned by its caller (timed out or cancelled) may still run
-        # in its worker thread, holding the limiter until it returns. Closing the
-        # descriptor under it could send the rest of its bytes to whatever file next
-        # gets that descriptor number, so wait for it: shielded, and bounded.
+        # in the writer thread. Closing the descriptor under it could send the rest of
+        # its bytes to whatever file next gets that descriptor number, so the close
+        # runs in the writer too, after it: waited for shielded, and bounded.
         with trio.move_on_after(journal_wait, shield=True):
-            async with self._journal_limiter:
-                self.journal.close()
+            await self._writer.run(self.journal.close)
             return
         # Still stuck (a hung disk): leave the descriptor to the process exit rather
         # than pull it from under the write; what the write finishes is still journaled.
