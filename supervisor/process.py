@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import resource
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,9 +36,9 @@ from node.machine.cgroups import (
 )
 from node.machine.proc import process_start_ticks
 from node.machine.procgroup import terminate_group
-from supervisor.identity import become
+from supervisor.launch import Launch, plan
 from supervisor.output import OutputRing, Sink, pump
-from supervisor.sandbox import SandboxSpec, bwrap_argv
+from supervisor.sandbox import SandboxSpec
 from supervisor.spawn import Child, spawn
 
 __all__ = [
@@ -306,51 +305,6 @@ def _open_pidfd(pid: int) -> int | None:
 # -- running -----------------------------------------------------------------
 
 
-# preexec_fn forks with other threads alive (trio's spawn thread among them);
-# the hook therefore only makes syscalls - no imports, locks or logging.
-def _preexec(
-    affinity: tuple[int, ...] | None,
-    rlimit_as: int | None,
-    join_cgroup: Callable[[], None] | None,
-    uid: int | None,
-) -> Callable[[], None] | None:
-    if affinity is None and rlimit_as is None and join_cgroup is None and uid is None:
-        return None
-
-    def setup() -> None:
-        # Runs in the forked child before exec: syscalls only. Joining the cgroup
-        # needs the daemon's rights, so the uid is dropped last.
-        if join_cgroup is not None:
-            join_cgroup()
-        if rlimit_as is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (rlimit_as, rlimit_as))
-        if affinity is not None:
-            os.sched_setaffinity(0, affinity)
-        if uid is not None:
-            become(uid)
-
-    return setup
-
-
-# The child blocks on its stdin (a pipe) until the daemon has journaled its start,
-# so nothing runs that a crash could leave unrecorded. Outside a sandbox a shell
-# waits and then runs the argv with stdin from /dev/null; bwrap does the same
-# with --block-fd. A closed pipe without the byte means "never run".
-_GATE_SHELL = (
-    "/bin/sh",
-    "-c",
-    'read -r _ || exit 126; exec "$@" </dev/null',
-    "litegraph-gate",
-)
-
-
-def _gated_argv(spec: ProcessSpec) -> list[str]:
-    if spec.sandbox is None:
-        return [*_GATE_SHELL, *spec.argv]
-    # bwrap reads one byte from fd 0 before it runs the guest.
-    return bwrap_argv(spec.sandbox, spec.argv, block_fd=0)
-
-
 async def _watch_oom(cgroup: InvocationCgroup, scope: trio.CancelScope) -> None:
     with scope:
         await cgroup.kill_after_oom()
@@ -392,6 +346,28 @@ def _memory_plan(
     return None, None
 
 
+def _prepare(
+    spec: ProcessSpec, cgroups: Cgroups | None, env: Mapping[str, str]
+) -> tuple[InvocationCgroup | None, Launch]:
+    """The cgroup (made here) and how the child starts; blocking, for a worker thread."""
+    cgroup, rlimit_as = _memory_plan(spec, cgroups)
+    try:
+        launch = plan(
+            spec.argv,
+            env=env,
+            sandbox=spec.sandbox,
+            uid=spec.uid,
+            cgroup=cgroup,
+            rlimit_as=rlimit_as,
+            affinity=spec.cpu_affinity,
+        )
+    except BaseException:
+        if cgroup is not None:
+            cgroup.finish_if_empty()  # nothing joined it yet
+        raise
+    return cgroup, launch
+
+
 async def run_process(
     spec: ProcessSpec,
     *,
@@ -423,18 +399,19 @@ async def run_process(
     # loop. Shielded, so a cgroup made is never lost to a cancel (spawn's failure
     # path below removes it).
     with trio.CancelScope(shield=True):
-        cgroup, rlimit_as = await trio.to_thread.run_sync(_memory_plan, spec, cgroups)
-    join = cgroup.preexec_join() if cgroup is not None else None
+        cgroup, launch = await trio.to_thread.run_sync(_prepare, spec, cgroups, env)
     gate_read, gate_write = os.pipe()
     try:
         proc = await spawn(
-            _gated_argv(spec),
+            launch.argv,
             stdin=gate_read,
-            env=env,
+            env=launch.env,
             # In a sandbox the guest's folder is bound by bwrap; the guest's uid
             # may not be able to enter the daemon's own working directory.
             cwd="/" if spec.sandbox is not None else spec.cwd,
-            preexec_fn=_preexec(spec.cpu_affinity, rlimit_as, join, spec.uid),
+            preexec_fn=launch.preexec_fn,
+            place=launch.place,
+            pass_fds=launch.pass_fds,
         )
     except BaseException:
         os.close(gate_write)
@@ -444,6 +421,7 @@ async def run_process(
         raise
     finally:
         os.close(gate_read)
+        launch.close()
     pgid = proc.pid  # start_new_session: the child leads its own group
     pidfd = _open_pidfd(proc.pid)
     ended = False

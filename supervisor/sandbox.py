@@ -100,12 +100,23 @@ def _device_target(node: Path, dev_root: Path) -> str:
         return f"/dev/{node.name}"
 
 
-def bwrap_argv(spec: SandboxSpec, argv: Sequence[str], *, block_fd: int | None = None) -> list[str]:
+def bwrap_argv(
+    spec: SandboxSpec,
+    argv: Sequence[str],
+    *,
+    block_fd: int | None = None,
+    env_fd: int | None = None,
+) -> list[str]:
     """The full command: bwrap, its options, `--`, then the guest's argv.
 
     With `block_fd`, bwrap waits for a byte on that descriptor before it runs the argv.
+    With `env_fd`, bwrap first reads further options from it (NUL-separated: the
+    guest's environment, kept off the command line that every user can read).
     """
-    args = [str(spec.bwrap), *_system_mounts()]
+    args = [str(spec.bwrap)]
+    if env_fd is not None:
+        args += ["--args", str(env_fd)]
+    args += _system_mounts()
     if block_fd is not None:
         args += ["--block-fd", str(block_fd)]
     args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", GUEST_TMP]

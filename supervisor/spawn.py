@@ -6,6 +6,12 @@ its worker threads, which retire after ten idle seconds, so a sandboxed guest
 was killed ten seconds after the node went quiet. Here every fork happens on
 one thread started once and never ended while the daemon runs: a child dies
 with the daemon, and only then, and the fork never blocks the event loop.
+
+A child started without a `preexec_fn` is vforked (CPython does so when no Python
+runs between fork and exec): the daemon's page tables are not copied, and
+neither it nor the child pays for copy-on-write faults, which cost more than
+the rest of a guest's start. `place(pid)` then puts the child where it must be
+(its cgroups) before the caller lets it go on.
 """
 
 from __future__ import annotations
@@ -113,11 +119,29 @@ class Child:
         await trio.aclose_forcefully(self.stderr)
 
 
-async def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """`subprocess.Popen(argv, **kwargs)` on the fork thread. A fork under way
-    completes even if the caller is cancelled, so its child is never lost."""
+def _start(
+    argv: list[str], place: Callable[[int], None] | None, kwargs: dict[str, Any]
+) -> subprocess.Popen[bytes]:
+    child = subprocess.Popen(argv, **kwargs)
+    if place is not None:
+        try:
+            place(child.pid)
+        except BaseException:
+            # It waits at its gate and has run nothing of the caller's: end it here.
+            child.kill()
+            child.wait()
+            raise
+    return child
+
+
+async def popen(
+    argv: Sequence[str], *, place: Callable[[int], None] | None = None, **kwargs: Any
+) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen(argv, **kwargs)` on the fork thread, then `place(pid)` there
+    (if it raises, the child is killed and reaped). A fork under way completes even
+    if the caller is cancelled, so its child is never lost."""
     child: subprocess.Popen[bytes] = await _FORKER.run(
-        functools.partial(subprocess.Popen, list(argv), **kwargs)
+        functools.partial(_start, list(argv), place, kwargs)
     )
     return child
 
@@ -129,8 +153,11 @@ async def spawn(
     env: Mapping[str, str],
     cwd: str | None,
     preexec_fn: Callable[[], None] | None,
+    place: Callable[[int], None] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Child:
-    """Start `argv` in a session of its own, stdout and stderr piped to us."""
+    """Start `argv` in a session of its own, stdout and stderr piped to us; then
+    `place(pid)` on the fork thread (see `popen`)."""
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     try:
@@ -143,6 +170,8 @@ async def spawn(
             cwd=cwd,
             start_new_session=True,
             preexec_fn=preexec_fn,
+            place=place,
+            pass_fds=pass_fds,
         )
     except BaseException:
         os.close(out_read)

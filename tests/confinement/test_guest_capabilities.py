@@ -25,7 +25,7 @@ import pathlib, shutil, subprocess, sys
 sys.path[:0] = sys.argv[1:]
 import trio
 from node.guests import _sandbox_works
-from supervisor.process import _preexec
+from supervisor.launch import _preexec
 
 status = subprocess.run(
     ["grep", "^Cap", "/proc/self/status"], preexec_fn=_preexec(None, None, None, {GUEST_UID}),
@@ -34,6 +34,19 @@ status = subprocess.run(
 print(status, end="")
 bwrap = shutil.which("bwrap")
 print("SANDBOX", trio.run(_sandbox_works, pathlib.Path(bwrap), {GUEST_UID}))
+"""
+
+
+# The same daemon's usual way: its vforked gate execs setpriv, which takes the guest's uid.
+SETPRIV_PROBE = f"""
+import subprocess, sys
+sys.path[:0] = sys.argv[1:]
+from supervisor.launch import find_setpriv, uid_drop
+
+print(subprocess.run(
+    [*uid_drop(find_setpriv(), {GUEST_UID}), "grep", "^Cap", "/proc/self/status"],
+    capture_output=True, text=True, check=True, cwd="/",
+).stdout, end="")
 """
 
 
@@ -88,19 +101,24 @@ def _as_unit_daemon(probe: str = PROBE) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd="/")
 
 
-def test_a_daemon_with_the_units_ambient_capabilities_gives_none_to_its_guests() -> None:
-    probe = _as_unit_daemon()
+def _probe_holds_no_capability(probe_code: str) -> subprocess.CompletedProcess[str]:
+    probe = _as_unit_daemon(probe_code)
     assert probe.returncode == 0, probe.stderr
     caps = _capabilities(probe.stdout)
     for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
         assert caps[name] == 0, probe.stdout
+    return probe
+
+
+def test_a_daemon_with_the_units_ambient_capabilities_gives_none_to_its_guests() -> None:
+    probe = _probe_holds_no_capability(PROBE)
     # bubblewrap refuses to run with capabilities it did not get from setuid.
     assert "SANDBOX None" in probe.stdout, probe.stdout
 
 
+def test_setpriv_run_by_that_daemon_leaves_its_guests_no_capability() -> None:
+    _probe_holds_no_capability(SETPRIV_PROBE)
+
+
 def test_a_lane_host_started_by_that_daemon_holds_no_capability() -> None:
-    probe = _as_unit_daemon(HOST_PROBE)
-    assert probe.returncode == 0, probe.stderr
-    caps = _capabilities(probe.stdout)
-    for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
-        assert caps[name] == 0, probe.stdout
+    _probe_holds_no_capability(HOST_PROBE)

@@ -9,6 +9,7 @@ import errno
 import itertools
 import os
 import stat
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -158,6 +159,27 @@ async def test_kill_reaches_a_setsid_grandchild_and_remove_leaves_no_directory(
     assert await inv.remove()
     assert inv.dirs and not any(path.exists() for path in inv.dirs.values())
     assert inv.name not in cgroups.leftovers()
+
+
+async def test_admit_moves_a_waiting_child_into_every_hierarchy_from_outside(
+    made: list[InvocationCgroup],
+) -> None:
+    inv = create(made, detect_v1())
+    # Waits at a gate (its stdin) as a guest's child does, joined to nothing yet.
+    child = await trio.lowlevel.open_process(["sh", "-c", "read -r _"], stdin=subprocess.PIPE)
+    try:
+        inv.admit(child.pid)
+        where = await trio.Path(f"/proc/{child.pid}/cgroup").read_text()
+        for role, path in inv.dirs.items():
+            assert path.name in where, (role, where)
+        assert child.pid in inv.pids()
+    finally:
+        assert child.stdin is not None
+        await trio.aclose_forcefully(child.stdin)
+        await close(child)
+    with pytest.raises(CgroupError) as refused:
+        inv.admit(child.pid)  # reaped: no such process
+    assert refused.value.reason == "join_failed"
 
 
 def _node(tmp_path: Path, name: str, minor: int) -> str:

@@ -90,6 +90,18 @@ class InvocationCgroup:
 
         return join
 
+    def admit(self, pid: int) -> None:
+        """Move process `pid` into every directory, from outside it: for a child that
+        waits at its gate, so that nothing runs in the child between fork and exec."""
+        if not self.fs.join:
+            return
+        for top in self._tops():
+            try:
+                self.fs.write(top / "cgroup.procs", str(pid))
+            except OSError as exc:
+                detail = f"{self.name}: pid {pid} into {top}: {exc}"
+                raise CgroupError("join_failed", detail) from exc
+
     def usage(self) -> CgroupUsage:
         return read_usage(self.version, self.dirs)
 

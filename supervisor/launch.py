@@ -1,0 +1,197 @@
+"""How a guest's process starts: its gate, its uid, its environment and its place.
+
+The gate: the child blocks on its stdin (a pipe) until the daemon has journaled
+its start, so nothing runs that a crash could leave unrecorded. A shell reads
+one line, then execs the rest with stdin from /dev/null; a closed pipe without
+the line means "never run".
+
+The daemon's child runs no Python between fork and exec, so it is vforked
+(`supervisor/spawn.py`): the daemon's page tables are not copied and nobody
+pays copy-on-write faults. While the child waits at the gate, the daemon puts
+it in its cgroups and sets its RLIMIT_AS and CPU set from outside (`place`).
+After the gate, setpriv (util-linux) takes the guest's uid and gid, drops the
+supplementary groups and empties the inheritable and ambient capability sets
+(a daemon that is not root may hold ambient ones), so its exec of bwrap leaves
+the guest no capability. The gate and setpriv run as the daemon's user, so
+they get an empty environment: the guest's own reaches bwrap through a memfd
+(`--args`: `--clearenv`, then `--setenv` each), never through a command line,
+which every local user can read.
+
+Where that cannot be done (no setpriv, a bwrap without `--clearenv`, or a guest
+with a uid of its own but no sandbox, whose environment would reach the gate),
+the daemon forks in full and the child joins its cgroups, sets its limits and
+takes its uid itself before exec (`become`); bwrap is then its own gate
+(`--block-fd`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node.machine.cgroups import InvocationCgroup
+from supervisor.identity import become
+from supervisor.sandbox import SandboxSpec, bwrap_argv
+
+__all__ = ["GATE_SHELL", "Launch", "bwrap_takes_env", "find_setpriv", "plan", "uid_drop"]
+
+GATE_SHELL = (
+    "/bin/sh",
+    "-c",
+    'read -r _ || exit 126; exec "$@" </dev/null',
+    "litegraph-gate",
+)
+# Root runs setpriv: only from the system's own folders, never the daemon's PATH.
+_SYSTEM_PATH = "/usr/bin:/bin"
+_PROBE_SECONDS = 5.0
+
+
+@functools.cache
+def find_setpriv() -> str | None:
+    return shutil.which("setpriv", path=_SYSTEM_PATH)
+
+
+@functools.cache
+def bwrap_takes_env(bwrap: Path) -> bool:
+    """Whether this bwrap has `--clearenv` (bubblewrap 0.5 and later); run once per path."""
+    try:
+        shown = subprocess.run(
+            [str(bwrap), "--help"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=_PROBE_SECONDS,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return b"--clearenv" in shown.stdout + shown.stderr
+
+
+def uid_drop(setpriv: str, uid: int) -> list[str]:
+    """setpriv's command line that becomes `uid` (and the gid of that number) with no
+    supplementary groups and no inheritable or ambient capability, then execs the rest."""
+    return [
+        setpriv,
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--ambient-caps=-all",
+        "--",
+    ]
+
+
+@dataclass
+class Launch:
+    """What `spawn` gets: the command, its environment, and either the old in-child
+    hook (`preexec_fn`) or what places the gated child from outside (`place`)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    preexec_fn: Callable[[], None] | None = None
+    place: Callable[[int], None] | None = None
+    # Inherited by the child (the environment's memfd); the parent's copies go with close().
+    pass_fds: tuple[int, ...] = field(default=())
+
+    def close(self) -> None:
+        for fd in self.pass_fds:
+            os.close(fd)
+        self.pass_fds = ()
+
+
+def _env_fd(env: Mapping[str, str]) -> int:
+    """A memfd holding bwrap's `--clearenv` and one `--setenv NAME VALUE` per variable,
+    NUL-separated (names and values hold no NUL: validated before)."""
+    parts = [b"--clearenv"]
+    for name, value in env.items():
+        parts += [b"--setenv", name.encode(), value.encode()]
+    data = b"\0".join(parts) + b"\0"
+    fd = os.memfd_create("litegraph-guest-env", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _placer(
+    cgroup: InvocationCgroup | None, rlimit_as: int | None, affinity: tuple[int, ...] | None
+) -> Callable[[int], None] | None:
+    if cgroup is None and rlimit_as is None and affinity is None:
+        return None
+
+    def place(pid: int) -> None:
+        if cgroup is not None:
+            cgroup.admit(pid)
+        if rlimit_as is not None:
+            resource.prlimit(pid, resource.RLIMIT_AS, (rlimit_as, rlimit_as))
+        if affinity is not None:
+            os.sched_setaffinity(pid, affinity)
+
+    return place
+
+
+# preexec_fn forks with other threads alive (trio's spawn thread among them);
+# the hook therefore only makes syscalls - no imports, locks or logging.
+def _preexec(
+    affinity: tuple[int, ...] | None,
+    rlimit_as: int | None,
+    join_cgroup: Callable[[], None] | None,
+    uid: int | None,
+) -> Callable[[], None] | None:
+    if affinity is None and rlimit_as is None and join_cgroup is None and uid is None:
+        return None
+
+    def setup() -> None:
+        # Runs in the forked child before exec: syscalls only. Joining the cgroup
+        # needs the daemon's rights, so the uid is dropped last.
+        if join_cgroup is not None:
+            join_cgroup()
+        if rlimit_as is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (rlimit_as, rlimit_as))
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        if uid is not None:
+            become(uid)
+
+    return setup
+
+
+def plan(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    sandbox: SandboxSpec | None,
+    uid: int | None,
+    cgroup: InvocationCgroup | None,
+    rlimit_as: int | None = None,
+    affinity: tuple[int, ...] | None = None,
+) -> Launch:
+    """How to start `argv` (blocking: may run `bwrap --help` once per bwrap)."""
+    place = _placer(cgroup, rlimit_as, affinity)
+    if sandbox is None and uid is None:
+        # Nobody to protect the gate from: it runs as the guest would.
+        return Launch([*GATE_SHELL, *argv], dict(env), place=place)
+    setpriv = find_setpriv() if uid is not None else None
+    if sandbox is not None and (uid is None or setpriv is not None):
+        if bwrap_takes_env(sandbox.bwrap):
+            drop = [] if setpriv is None or uid is None else uid_drop(setpriv, uid)
+            fd = _env_fd(env)
+            command = bwrap_argv(sandbox, argv, env_fd=fd)
+            return Launch([*GATE_SHELL, *drop, *command], {}, place=place, pass_fds=(fd,))
+    join = cgroup.preexec_join() if cgroup is not None else None
+    hook = _preexec(affinity, rlimit_as, join, uid)
+    if sandbox is None:
+        return Launch([*GATE_SHELL, *argv], dict(env), preexec_fn=hook)
+    # bwrap reads one byte from fd 0 before it runs the guest.
+    return Launch(bwrap_argv(sandbox, argv, block_fd=0), dict(env), preexec_fn=hook)
