@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
+import secrets
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -89,14 +89,16 @@ def _token_text(tokens: Sequence[str]) -> bytes:
 def _token_file(tokens: Sequence[str], uid: int | None, where: Path | None) -> Iterator[Path]:
     """A file only `uid` can read (0400, owned by it), removed afterwards.
 
-    Its folder stays the daemon's (0711): the guest can reach the file but not
-    write beside it, and the daemon can remove it without reading the guest's files.
+    It lies in the daemon's own folder (`--guest-run-dir`, 0711): the guest can
+    reach the file but neither list the folder nor write in it, and the daemon
+    removes it without reading the guest's files. One file, no folder of its own:
+    every directory made costs the filesystem an inode on each guest's start.
     """
-    folder = Path(tempfile.mkdtemp(prefix="guest-", dir=where))
+    folder = Path(tempfile.gettempdir()) if where is None else where
+    path = folder / f"guest-{secrets.token_hex(16)}.tokens"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o400)
     try:
-        folder.chmod(0o711)
-        path = folder / "tokens"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
         try:
             if uid is not None:
                 os.fchown(fd, uid, uid)
@@ -105,7 +107,8 @@ def _token_file(tokens: Sequence[str], uid: int | None, where: Path | None) -> I
             os.close(fd)
         yield path
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 @contextlib.contextmanager

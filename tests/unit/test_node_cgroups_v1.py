@@ -319,3 +319,38 @@ async def test_finish_if_empty_reads_usage_and_removes_only_an_empty_cgroup(
     usage, removed = finished
     assert usage is not None and usage.cpu_seconds > 0
     assert removed and not any(path.exists() for path in inv.dirs.values())
+
+
+async def test_a_leaf_cgroup_ends_without_listing_its_control_files(
+    made: list[InvocationCgroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = create(made, detect_v1())
+    await close(await start(inv, "pass"))
+
+    def walk(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a cgroup without nested ones was listed")
+
+    monkeypatch.setattr(os, "walk", walk)
+    finished = inv.finish_if_empty()
+    assert finished is not None and finished[1]
+    assert not any(path.exists() for path in inv.dirs.values())
+
+
+async def test_a_process_in_a_nested_cgroup_is_found_killed_and_its_cgroup_removed(
+    made: list[InvocationCgroup],
+) -> None:
+    inv = create(made, detect_v1())
+    inner = InvocationCgroup(
+        "inner", inv.version, {role: path / "inner" for role, path in inv.dirs.items()}
+    )
+    for path in dict.fromkeys(inner.dirs.values()):
+        path.mkdir()
+    hidden = await start(inner, "import time; time.sleep(60)")
+    try:
+        assert hidden.pid in inv.pids()
+        assert inv.finish_if_empty() is None
+        assert await inv.remove()
+        assert await gone_within(hidden.pid)
+        assert not any(path.exists() for path in inv.dirs.values())
+    finally:
+        await close(hidden)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 from typing import Any
 
 import pytest
@@ -191,3 +192,19 @@ def test_the_uid_of_a_process_that_survived_sigkill_is_never_reused(
     with pytest.raises(ProcessStuck), _session_of(pool, tmp_path) as guest:
         raise ProcessStuck(12345)
     assert pool.in_use == frozenset({guest.uid})
+
+
+@needs_root
+def test_a_guests_token_file_is_its_own_0400_file_in_the_run_dir_and_goes_with_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    pool = UidPool(range(300_000, 300_002))
+    with _session_of(pool, tmp_path) as guest:
+        path = pathlib.Path(guest.env["LITEGRAPH_CAPABILITY_TOKEN_FILE"])
+        # No folder of its own: one file straight in the daemon's run dir.
+        assert list(tmp_path.iterdir()) == [path]
+        found = path.lstat()
+        assert stat.S_ISREG(found.st_mode) and stat.S_IMODE(found.st_mode) == 0o400
+        assert found.st_uid == guest.uid
+        assert path.read_text() == "v4.public.x\n"
+    assert list(tmp_path.iterdir()) == []

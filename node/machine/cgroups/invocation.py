@@ -71,6 +71,15 @@ class InvocationCgroup:
         """Every directory, nested cgroups first (a root guest could have made some)."""
         found: list[Path] = []
         for top in self._tops():
+            try:
+                links = os.stat(top).st_nlink
+            except FileNotFoundError:
+                continue
+            if links == 2:
+                # No subdirectory (cgroupfs counts them in the link count): listing
+                # the dozens of control files to learn that costs more than the rest.
+                found.append(top)
+                continue
             for here, _subdirs, _files in os.walk(top, topdown=False):
                 found.append(Path(here))
         return found
