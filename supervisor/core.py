@@ -2,7 +2,8 @@
 
 Each invocation runs in the supervisor's nursery under its own cancel scope
 with its deadline. Whatever ends it, cleanup runs shielded with its own
-deadline, in this order: the process group is already gone (the executor
+deadline (when only the journal is awaited, the journal's commit is that
+shield and deadline), in this order: the process group is already gone (the executor
 ends it), lane state it held is freed, its tokens are revoked, its
 reservation is released and journaled -- and only then is the terminal
 state recorded and announced.
@@ -133,6 +134,9 @@ class Supervisor:
         # An operator's whole-node drain: kept in memory only (a restart forgets it).
         self.drained = False
         self._nursery: trio.Nursery | None = None
+        self._env = RunEnv(
+            machine=machine, node_url=node_url, kill_grace=kill_grace, guests=self.guests
+        )
         self.owners = {
             lane.lane_id: LaneOwner(
                 lane,
@@ -181,12 +185,19 @@ class Supervisor:
                 await inv.finished.wait()
 
     def _run_env(self) -> RunEnv:
-        return RunEnv(
-            machine=self.machine,
-            node_url=self.node_url,
-            kill_grace=self.kill_grace,
-            guests=self.guests,
-        )
+        env = self._env
+        if (env.node_url, env.kill_grace, env.guests) != (
+            self.node_url,
+            self.kill_grace,
+            self.guests,
+        ):  # changed since the last invocation: built again (rarely: settings are fixed)
+            env = self._env = RunEnv(
+                machine=self.machine,
+                node_url=self.node_url,
+                kill_grace=self.kill_grace,
+                guests=self.guests,
+            )
+        return env
 
     def background(self, task: Callable[[], Awaitable[None]]) -> None:
         """Run `task` in the supervisor's nursery (bookkeeping beside an invocation)."""
@@ -280,12 +291,12 @@ class Supervisor:
         except BaseException as exc:
             del self._live[inv.id]
             self._waiting -= 1
-            inv.admitted.set()
+            inv.end_admission()
             inv.finished.set()  # a cancel that arrived during admission answers now
             reason = exc.reason if isinstance(exc, AdmissionRefused) else "admission_failed"
             self._announce_refusal(inv.id, reason)
             raise
-        inv.admitted.set()
+        inv.end_admission()
         if inv.reservation is not None and any(
             self.machine.ledger.lane_health(g.lane_id) in FAILED_STATES
             for g in inv.reservation.lanes
@@ -296,7 +307,7 @@ class Supervisor:
         if self.logs is not None:
             inv.logs = self.logs.begin(inv.id)  # followers may ask for its logs from now on
         self._nursery.start_soon(self._actor, inv)
-        self._announce(inv, None)
+        self._announce(inv, inv.submitted_at)
         return inv.submit_response()
 
     def _stopped(self) -> bool:
@@ -306,7 +317,7 @@ class Supervisor:
         if request != inv.request:  # by value: key order in a dict does not matter
             raise self._id_conflict(request.id)
         with trio.fail_after(self.cleanup_deadline):
-            await inv.admitted.wait()
+            await inv.admission_ended()
         if inv.id not in self._live and inv.id not in self._ended:
             raise AdmissionRefused(409, "admission_failed", "the first submission was refused")
         return inv.submit_response()
@@ -447,11 +458,14 @@ class Supervisor:
             with inv.scope:
                 if inv.logs is not None:
                     await inv.logs.create()
-                async with self._slots:
+                await self._take_slot()
+                try:
                     self._waiting -= 1
                     inv.advance(Ending.start)
                     self._announce(inv, inv.started_at)
                     inv.exit_code = await run_work(self._run_env(), inv)
+                finally:
+                    self._slots.release()
                 ending = Ending.succeed if inv.exit_code == 0 else Ending.fail
                 inv.reason = None if inv.exit_code == 0 else inv.failure_reason()
         except ProcessStuck as exc:
@@ -466,26 +480,56 @@ class Supervisor:
                 ending = Ending.cancel if inv.cancel_reason else Ending.timeout
                 inv.reason = inv.cancel_reason or "deadline_exceeded"
             ended_at = utc_now()
-            with trio.move_on_after(self.cleanup_deadline, shield=True) as cleanup:
-                if inv.logs is not None:
-                    await inv.logs.close()  # complete: its followers end, its cut is final
-                await self._release(inv, next_state(inv.state, ending), ended_at)
-            if cleanup.cancelled_caught:
-                log.error("cleanup of %s overran %ss", inv.id, self.cleanup_deadline)
+            final = await self._clean_up(inv, next_state(inv.state, ending), ended_at)
             if inv.state is InvocationState.queued:  # ended before it ran
                 self._waiting -= 1
             inv.advance(ending, at=ended_at)
             self._retire(inv)
-            self._announce(inv, ended_at)
+            self._announce(inv, ended_at, final)
             inv.finished.set()
 
-    async def _release(self, inv: Invocation, state: InvocationState, ended_at: str) -> None:
+    async def _take_slot(self) -> None:
+        """A run slot: at once when one is free (the actor has just been scheduled, it
+        needs no further turn), else wait in line; a cancel before it counts either way."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
+
+    async def _clean_up(
+        self, inv: Invocation, state: InvocationState, ended_at: str
+    ) -> InvocationStatus | None:
+        """Free what `inv` holds and journal its ending, shielded and bounded; returns
+        its final status (None when the cleanup overran its deadline)."""
         grants = inv.reservation.lanes if inv.reservation else ()
         self._revoke(inv)  # first: none of its queued lane work runs any more
-        for grant in grants:
-            owner = self.owners.get(grant.lane_id)
-            if owner is not None:
+        owners = [
+            owner
+            for grant in grants
+            if (owner := self.owners.get(grant.lane_id)) is not None and owner.holds(inv.id)
+        ]
+        if inv.logs is None and not owners:
+            # Only the journal is awaited, and its commit is shielded and bounded by the
+            # journal's own deadline: no cancel scope of ours is needed around it.
+            return await self._release(inv, state, ended_at)
+        final = None
+        with trio.move_on_after(self.cleanup_deadline, shield=True) as cleanup:
+            if inv.logs is not None:
+                await inv.logs.close()  # complete: its followers end, its cut is final
+            for owner in owners:
                 await owner.free_invocation(inv.id)
+            final = await self._release(inv, state, ended_at)
+        if cleanup.cancelled_caught:
+            log.error("cleanup of %s overran %ss", inv.id, self.cleanup_deadline)
+        return final
+
+    async def _release(
+        self, inv: Invocation, state: InvocationState, ended_at: str
+    ) -> InvocationStatus:
+        """Give back its reservation and journal its ending (Machine.end: shielded, under
+        the journal's deadline); returns its final status."""
+        grants = inv.reservation.lanes if inv.reservation else ()
         if inv.stuck:
             # A process that survived SIGKILL still holds its devices: keep the
             # reservation (a restart's reconcile keeps it too) and fault its GPU lanes.
@@ -496,9 +540,11 @@ class Supervisor:
         # The release, the process's end and how it ended (so its id does not run
         # again after a restart) are journaled in one write: one fsync before the
         # terminal state is recorded (and before DELETE answers).
-        record = ended_record(inv, state, ended_at)
+        final = inv.status(state=state, ended_at=ended_at)
+        record, remembered = ended_record(inv, final)
         if await self.machine.end(inv.id, pid=inv.pid, outcome=record, keep=inv.stuck):
-            self._history.add(record)
+            self._history.add(record, remembered)
+        return final
 
     async def _remember_restart_endings(self) -> None:
         """What the previous daemon left running ended with it: remember each, so a
@@ -529,10 +575,15 @@ class Supervisor:
         while len(self._ended) > self._retain:
             self._ended.popitem(last=False)
 
-    def _announce(self, inv: Invocation, at: str | None) -> None:
-        """Publish its state, stamped when it changed (`at`, the time in its status)."""
+    def _announce(
+        self, inv: Invocation, at: str | None, status: InvocationStatus | None = None
+    ) -> None:
+        """Publish its state, stamped when it changed (`at`, the time in its status);
+        `status` when it is already built."""
         self.events.publish(
-            NodeEvent(kind=EventKind.invocation, at=at or utc_now(), invocation=inv.status())
+            NodeEvent(
+                kind=EventKind.invocation, at=at or utc_now(), invocation=status or inv.status()
+            )
         )
         self._on_change()
 

@@ -37,11 +37,12 @@ class History:
         for record in records:
             self.add(record)
 
-    def add(self, record: EndedRecord) -> None:
+    def add(self, record: EndedRecord, status: InvocationStatus | None = None) -> None:
         """Remember `record` (the journal took it), newest last; the oldest over the
-        bound is forgotten, as the journal forgets it."""
+        bound is forgotten, as the journal forgets it. `status`: its outcome, when the
+        caller has it decoded already (it wrote it)."""
         self._ended.pop(record.invocation_id, None)
-        self._ended[record.invocation_id] = (record.ended_at, recorded_status(record))
+        self._ended[record.invocation_id] = (record.ended_at, status or recorded_status(record))
         while len(self._ended) > self._count:
             self._ended.popitem(last=False)
 

@@ -65,12 +65,25 @@ class Invocation:
         self.stderr = OutputRing(OUTPUT_BYTES)
         self.logs: InvocationLogs | None = None  # its files on disk, when the node keeps them
         self._lanes: tuple[Reservation | None, list[GrantedLane]] = (None, [])
-        self.admitted = trio.Event()  # set once admission succeeded or failed
+        self.admission_over = False  # admission succeeded or failed
+        self._admission: trio.Event | None = None  # made only if someone waits for it
         self.finished = trio.Event()  # set once released and terminal
 
     @property
     def id(self) -> str:
         return self.request.id
+
+    def end_admission(self) -> None:
+        self.admission_over = True
+        if self._admission is not None:
+            self._admission.set()
+
+    async def admission_ended(self) -> None:
+        """Return once admission succeeded or failed (a resubmission waits for it)."""
+        if not self.admission_over:
+            if self._admission is None:
+                self._admission = trio.Event()
+            await self._admission.wait()
 
     def advance(self, ending: Ending, *, at: str | None = None) -> InvocationState:
         self.state = next_state(self.state, ending)
@@ -109,10 +122,14 @@ class Invocation:
             self._lanes = (reservation, lanes)
         return lanes
 
-    def status(self) -> InvocationStatus:
+    def status(
+        self, *, state: InvocationState | None = None, ended_at: str | None = None
+    ) -> InvocationStatus:
+        """Its status now; or, with `state` and `ended_at`, as it will be once it reaches
+        that state then (built once per ending: journaled, listed and announced)."""
         return InvocationStatus(
             id=self.id,
-            state=self.state,
+            state=state or self.state,
             reason=self.reason,
             requirement=self.request.requirement,
             isolation=self.request.isolation,
@@ -120,7 +137,7 @@ class Invocation:
             exit_code=self.exit_code,
             submitted_at=self.submitted_at,
             started_at=self.started_at,
-            ended_at=self.ended_at,
+            ended_at=ended_at or self.ended_at,
             stdout_tail=self.stdout.tail(TAIL_CHARS),
             stderr_tail=self.stderr.tail(TAIL_CHARS),
             stdout_bytes=self.stdout.total_bytes,

@@ -200,6 +200,14 @@ class LaneOwner:
         """The lane memory no invocation holds."""
         return self.lane.vram_bytes - self.used_bytes
 
+    def holds(self, invocation_id: str) -> bool:
+        """Whether freeing the invocation here has anything to do (its work is running,
+        or it holds a buffer): otherwise `free_invocation` need not be awaited."""
+        current = self._current
+        if current is not None and current.invocation_id == invocation_id:
+            return True
+        return any(buf.invocation_id == invocation_id for buf in self._buffers.values())
+
     async def free_invocation(self, invocation_id: str) -> int:
         """Drop the invocation's buffers, in the host too. Its tokens are revoked
         first, so none of its queued work runs; work of it already running is

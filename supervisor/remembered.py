@@ -42,14 +42,15 @@ def request_digest(request: InvocationRequest) -> str:
     return hashlib.sha256(msgspec.json.encode(request, order="deterministic")).hexdigest()
 
 
-def ended_record(inv: Invocation, state: InvocationState, ended_at: str) -> EndedRecord:
-    """The record of `inv` as it will be once it reaches `state` at `ended_at` (written
-    before the terminal state is recorded, so nobody sees that state unremembered)."""
-    status = msgspec.structs.replace(
-        inv.status(), state=state, ended_at=ended_at, stdout_tail="", stderr_tail=""
-    )
+def ended_record(inv: Invocation, final: InvocationStatus) -> tuple[EndedRecord, InvocationStatus]:
+    """The record of `inv` as it will be once its `final` status is recorded (written
+    before that, so nobody sees the terminal state unremembered), and the status the
+    record holds: `final` without the output text, which the journal does not keep."""
+    status = final
+    if final.stdout_tail or final.stderr_tail:
+        status = msgspec.structs.replace(final, stdout_tail="", stderr_tail="")
     reservation = inv.reservation
-    return EndedRecord(
+    record = EndedRecord(
         invocation_id=inv.id,
         # Its reservation carries the digest taken at admission: not hashed again.
         request_digest=reservation.request_digest
@@ -58,6 +59,7 @@ def ended_record(inv: Invocation, state: InvocationState, ended_at: str) -> Ende
         ended_at=time.time(),
         outcome=msgspec.json.encode(status),
     )
+    return record, status
 
 
 def restart_ended_record(reservation: Reservation) -> EndedRecord:

@@ -306,3 +306,39 @@ async def test_an_unexpected_error_journaling_an_ending_still_ends_the_invocatio
         monkeypatch.setattr(group, "commit", real)
         await rig.sup.submit(builtin("after", "echo"))
         assert await rig.wait_terminal("after") is S.succeeded
+
+
+async def test_endings_cut_off_by_a_stopping_supervisor_are_still_journaled(
+    tmp_path: Path,
+) -> None:
+    """The supervisor's nursery is cancelled while the endings wait for the disk:
+    each ending still waits for its records (release and outcome) to be durable."""
+    state = tmp_path / "state"
+    m = await open_machine(state, cls=FaultyJournalMachine)
+    try:
+        sup, tokens = unstarted_supervisor(m, state)
+
+        async def open_the_gate_once_an_ending_waits(gate: trio.Event) -> None:
+            with trio.move_on_after(5):  # an ending that gave up never reaches the gate
+                while m.writes_waiting == 0:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            gate.set()
+
+        async with trio.open_nursery() as helper:
+            async with trio.open_nursery() as outer:
+                await outer.start(sup.run)
+                for name in ("a", "b"):
+                    await sup.submit(builtin(name, seconds=60))
+                while sup.counts()[S.running] < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+                m.gate = gate = trio.Event()
+                helper.start_soon(open_the_gate_once_an_ending_waits, gate)
+                outer.cancel_scope.cancel()
+        assert len(m.ledger) == 0 and m.journal.reservations() == {}
+        assert tokens.live_tokens == 0
+        for name in ("a", "b"):
+            recorded = m.journal.ended(name)
+            assert recorded is not None
+            assert sup.get(name).state is S.cancelled
+    finally:
+        await m.aclose()
