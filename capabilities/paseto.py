@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import struct
@@ -82,6 +83,12 @@ _le64 = struct.Struct("<Q").pack
 def b64url_encode(data: bytes) -> str:
     """Base64url without padding (RFC 4648 section 5), as PASETO requires."""
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+@functools.lru_cache(maxsize=16)
+def _footer_segment(footer: bytes) -> str:
+    """A footer's segment: the same few footers (one per signing key) sign every token."""
+    return "." + b64url_encode(footer) if footer else ""
 
 
 def b64url_decode(text: str) -> bytes:
@@ -154,10 +161,7 @@ def sign(
 ) -> str:
     """A `v4.public.` token for `payload`, with an optional footer and implicit assertion."""
     signature = secret.sign(_signed_message(payload, footer, implicit))
-    token = HEADER + b64url_encode(payload + signature)
-    if footer:
-        token += "." + b64url_encode(footer)
-    return token
+    return HEADER + b64url_encode(payload + signature) + _footer_segment(footer)
 
 
 class ParsedToken(NamedTuple):

@@ -197,8 +197,9 @@ class TokenService:
         self._live.make_room(invocation_id, lane_id)  # before paying for a signature
         kid, secret = self._keyring.signing_key()
         token = paseto.sign(secret, payload, footer=self._footer(kid), implicit=self._implicit)
-        self._live.admit(invocation_id, lane_id, claims.jti, to_unix(claims.exp))
-        self._note_signed(kid, to_unix(claims.exp))
+        exp = float(math.floor(end))  # to_unix(claims.exp): from_unix keeps whole seconds
+        self._live.admit(invocation_id, lane_id, claims.jti, exp)
+        self._note_signed(kid, exp)
         return MintedToken(token=token, claims=claims)
 
     def _footer(self, kid: str) -> bytes:

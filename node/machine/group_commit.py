@@ -66,8 +66,14 @@ class _Pending:
     __slots__ = ("abandoned", "deadline", "error", "items", "size", "task")
 
     def __init__(self, records: Sequence[Record], deadline: float) -> None:
-        self.items = [(record, frame(record)) for record in records]
-        self.size = sum(len(framed) for _record, framed in self.items)
+        items: list[tuple[Record, bytes]] = []
+        size = 0
+        for record in records:
+            framed = frame(record)
+            items.append((record, framed))
+            size += len(framed)
+        self.items = items
+        self.size = size
         self.deadline = deadline
         self.task: trio.lowlevel.Task | None = None  # None once woken (or never waiting)
         self.error: BaseException | None = None
