@@ -8,6 +8,7 @@ import datetime
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -19,10 +20,12 @@ from node.machine.snapshot import rfc3339
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
 from supervisor.invocation import utc_now
+from supervisor.listing import ListQuery
 from supervisor.wire import (
     EventKind,
     InvocationRequest,
     InvocationState,
+    InvocationStatus,
 )
 from tests.supervisor_fixtures import (
     SIM_GPU,
@@ -83,6 +86,29 @@ async def test_echo_output_is_recorded(tmp_path: Path, mock_clock: trio.testing.
         assert await rig.wait_terminal("e") is S.succeeded
         assert rig.sup.get("e").stdout_tail == "hello"
         rig.assert_released("e", response.tokens)
+
+
+async def test_the_ended_event_get_and_the_journal_tell_the_same_ending(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        await rig.sup.submit(builtin("same", "echo", text="out"))
+        assert await rig.wait_terminal("same") is S.succeeded
+        await trio.testing.wait_all_tasks_blocked()
+        status = rig.sup.get("same")
+        [announced] = [
+            e.invocation
+            for e in rig.seen
+            if e.invocation is not None and e.invocation.state is S.succeeded
+        ]
+        assert announced == status and status.stdout_tail == "out"
+        record = rig.machine.journal.ended("same")
+        assert record is not None
+        remembered = msgspec.json.decode(record.outcome, type=InvocationStatus)
+        # The journal keeps all of it but the output text.
+        assert remembered == msgspec.structs.replace(status, stdout_tail="", stderr_tail="")
+        [listed] = rig.sup.list_page(ListQuery()).invocations
+        assert listed == status
 
 
 async def test_a_builtin_exception_fails_and_releases(
