@@ -23,8 +23,11 @@ async def _wait(sup: Supervisor, ids: list[str], *, first: bool) -> None:
     if first and len(events) < len(ids):
         return  # one of them has already ended (or is unknown)
     if not first:
+        # Most of a batch ends together: an event already set costs no pass through the
+        # scheduler (waiting on it would checkpoint once per id).
         for event in events:
-            await event.wait()
+            if not event.is_set():
+                await event.wait()
         return
     async with trio.open_nursery() as nursery:
 

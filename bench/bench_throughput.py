@@ -459,10 +459,10 @@ def notes(findings: list[Finding]) -> list[str]:
                 f" 2,500/s target ({m['api_tmpfs']:,.0f}/s on tmpfs). The daemon spends"
                 f" {m['noop_cpu'] * 1e6:,.0f} us of CPU per invocation here, against"
                 f" {m['in_process_cpu'] * 1e6:,.0f} us in process: the rest is the HTTP edge"
-                " (decoding each item, encoding its answer with its token, one status read by"
-                " the wait) and whatever else the daemon does for each invocation (its log"
-                " files on disk among them); the HTTP client runs on the same two cores,"
-                " beside the machine's other load."
+                " (decoding each item, a task per item, encoding its answer with its token,"
+                " one status read by the wait) and the journal's compactions, which grow with"
+                " the ended invocations it keeps; a no-op writes no log file. The HTTP client"
+                " runs on the same two cores, beside the machine's other load."
             )
         elif name.startswith("through the API: `true`"):
             out.append(

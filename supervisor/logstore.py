@@ -67,7 +67,7 @@ class InvocationLogs:
         self.created = False  # it takes bytes (an older run's files of the id are gone)
         self.closed = False  # no byte will be added any more
         self.ended_at: float | None = None  # wall clock
-        self._changed = trio.Event()
+        self._changed: trio.Event | None = None  # made when a reader asks for it
         # Streams whose file this run made (or found at start); only these are read.
         self._on_disk: set[str] = set()
         self.stale = False  # an older run of the id left files that must go first
@@ -85,11 +85,15 @@ class InvocationLogs:
     @property
     def changed(self) -> trio.Event:
         """Set at the next write, creation or close (take it before reading)."""
+        if self._changed is None:
+            self._changed = trio.Event()
         return self._changed
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        # Logs nobody follows (most of them) cost no event.
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def _cut_at(self, reason: str) -> None:
         if self.cut is None:
