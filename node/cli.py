@@ -96,6 +96,7 @@ def _dev_state_dir() -> str:
 
 def _run_daemon(config: Config, *, dev: bool) -> int:
     from node.daemon import Daemon, StartupError
+    from node.heap import settle_heap
 
     configure_logging(config.log_level, config.log_format)
     daemon = Daemon(config, dev=dev)
@@ -112,6 +113,7 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
                 log.warning("cannot write the address file for clients: %s", exc)
             if dev:
                 _announce_dev(url, daemon)
+            settle_heap()  # what start-up built lives until exit
 
     try:
         trio.run(main)
