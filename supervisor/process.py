@@ -16,6 +16,7 @@ the limit is not enforced by the kernel and a warning is logged.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -39,7 +40,7 @@ from node.machine.procgroup import terminate_group
 from supervisor.launch import Launch, plan
 from supervisor.output import OutputRing, Sink, pump
 from supervisor.sandbox import SandboxSpec
-from supervisor.spawn import Child, spawn
+from supervisor.spawn import Child, KeptThread, spawn
 
 __all__ = [
     "ENV_ALLOW_LIST",
@@ -135,6 +136,10 @@ _DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 # After the group is gone: how long the pumps may take to read what is left
 # in the pipes (longer only if something outside the group holds them).
 _DRAIN_SECONDS = 1.0
+
+# Every guest's cgroup work (mkdir, limits, usage, rmdir: blocking cgroupfs calls) runs
+# on this one thread, in turn.
+_CGROUP_THREAD = KeptThread("litegraph-cgroups")
 
 # run_process's default: this host's cgroups, detected on first use.
 SYSTEM_CGROUPS: Literal["system"] = "system"
@@ -349,7 +354,7 @@ def _memory_plan(
 def _prepare(
     spec: ProcessSpec, cgroups: Cgroups | None, env: Mapping[str, str]
 ) -> tuple[InvocationCgroup | None, Launch]:
-    """The cgroup (made here) and how the child starts; blocking, for a worker thread."""
+    """The cgroup (made here) and how the child starts; blocking, for the cgroup thread."""
     cgroup, rlimit_as = _memory_plan(spec, cgroups)
     try:
         launch = plan(
@@ -396,10 +401,9 @@ async def run_process(
         found = system_cgroups()
         cgroups = found if isinstance(found, Cgroups) else None
     # mkdir and the limit writes cost milliseconds of kernel time: not on the event
-    # loop. Shielded, so a cgroup made is never lost to a cancel (spawn's failure
-    # path below removes it).
-    with trio.CancelScope(shield=True):
-        cgroup, launch = await trio.to_thread.run_sync(_prepare, spec, cgroups, env)
+    # loop. Never lost to a cancel (the job completes; spawn's failure path below
+    # removes the cgroup).
+    cgroup, launch = await _CGROUP_THREAD.run(functools.partial(_prepare, spec, cgroups, env))
     gate_read, gate_write = os.pipe()
     try:
         proc = await spawn(
@@ -436,7 +440,7 @@ async def run_process(
             await terminate_group(pgid, kill_grace, leader=proc)
             if cgroup is not None:
                 # Usually nothing is left: usage and removal in one worker-thread call.
-                finished = await trio.to_thread.run_sync(cgroup.finish_if_empty)
+                finished = await _CGROUP_THREAD.run(cgroup.finish_if_empty)
                 if finished is not None:
                     usage, removed = finished
                     if on_usage is not None and usage is not None:

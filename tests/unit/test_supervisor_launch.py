@@ -6,6 +6,8 @@ tests/confinement/test_guest_launch.py."""
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,28 @@ def _read_all(fd: int) -> bytes:
     while chunk := os.read(fd, 65536):
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _fake_cgroups(tmp_path: Path) -> Cgroups:
+    fake = FakeCgroupV2(tmp_path)
+    cgroups = Cgroups.detect(fake.root, fake.self_cgroup, fs=fake.fs)
+    assert isinstance(cgroups, Cgroups)
+    return cgroups
+
+
+async def _run(
+    spec: ProcessSpec,
+    cgroups: Cgroups,
+    on_started: Callable[[int, int | None], Awaitable[None]] | None = None,
+) -> int:
+    return await run_process(
+        spec,
+        stdout=OutputRing(1024),
+        stderr=OutputRing(1024),
+        on_started=on_started or _nothing,
+        cgroups=cgroups,
+        parent_env={"PATH": "/usr/bin:/bin"},
+    )
 
 
 def _reaped(pid: int) -> bool:
@@ -93,9 +117,7 @@ def test_without_setpriv_a_guest_with_a_uid_takes_it_in_its_own_hook(
 
 
 def test_a_guest_without_a_uid_of_its_own_is_placed_from_outside(tmp_path: Path) -> None:
-    fake = FakeCgroupV2(tmp_path)
-    cgroups = Cgroups.detect(fake.root, fake.self_cgroup, fs=fake.fs)
-    assert isinstance(cgroups, Cgroups)
+    cgroups = _fake_cgroups(tmp_path)
     inv = cgroups.create("inv", CgroupLimits(memory_bytes=1 << 24, cpu_millis=100, pids_max=8))
     found = plan(["true"], env={"A": "1"}, sandbox=None, uid=None, cgroup=inv, rlimit_as=1 << 30)
     assert found.preexec_fn is None and found.place is not None
@@ -140,9 +162,7 @@ async def test_a_child_whose_placement_fails_is_killed_before_its_argv_runs(
 async def test_a_cgroup_that_refuses_the_child_fails_the_run_and_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake = FakeCgroupV2(tmp_path)
-    cgroups = Cgroups.detect(fake.root, fake.self_cgroup, fs=fake.fs)
-    assert isinstance(cgroups, Cgroups)
+    cgroups = _fake_cgroups(tmp_path)
 
     def refuse(self: InvocationCgroup, pid: int) -> None:
         raise CgroupError("join_failed", f"{self.name}: pid {pid} refused")
@@ -158,17 +178,10 @@ async def test_a_cgroup_that_refuses_the_child_fails_the_run_and_is_removed(
         argv=("touch", str(marker)), memory_limit_bytes=1 << 26, cgroup_name="refused"
     )
     with pytest.raises(CgroupError):
-        await run_process(
-            spec,
-            stdout=OutputRing(1024),
-            stderr=OutputRing(1024),
-            on_started=on_started,
-            cgroups=cgroups,
-            parent_env={"PATH": "/usr/bin:/bin"},
-        )
+        await _run(spec, cgroups, on_started)
     await trio.sleep(0.2)
     assert not marker.exists() and started == []
-    assert not (fake.own / "litegraph-refused").exists()
+    assert "refused" not in cgroups.leftovers()
 
 
 def test_bwrap_takes_env_reads_the_tools_own_help(tmp_path: Path) -> None:
@@ -181,3 +194,38 @@ def test_bwrap_takes_env_reads_the_tools_own_help(tmp_path: Path) -> None:
     assert not launch.bwrap_takes_env(old)
     assert launch.bwrap_takes_env(new)
     assert not launch.bwrap_takes_env(tmp_path / "missing")
+
+
+async def test_every_guests_cgroup_work_runs_on_one_kept_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cgroups = _fake_cgroups(tmp_path)
+    threads: list[threading.Thread] = []
+    create, finish = Cgroups.create, InvocationCgroup.finish_if_empty
+
+    def created(self: Cgroups, name: str, limits: CgroupLimits) -> InvocationCgroup:
+        threads.append(threading.current_thread())
+        return create(self, name, limits)
+
+    def finished(self: InvocationCgroup) -> object:
+        threads.append(threading.current_thread())
+        return finish(self)
+
+    monkeypatch.setattr(Cgroups, "create", created)
+    monkeypatch.setattr(InvocationCgroup, "finish_if_empty", finished)
+
+    async def run(name: str) -> None:
+        spec = ProcessSpec(argv=("true",), memory_limit_bytes=1 << 26, cgroup_name=name)
+        assert await _run(spec, cgroups) == 0
+
+    async with trio.open_nursery() as nursery:
+        for n in range(4):
+            nursery.start_soon(run, f"kept-{n}")
+    # A trio worker thread per call costs ten times the handoff when guests start at once.
+    assert len(threads) == 8 and len(set(threads)) == 1
+    (thread,) = set(threads)
+    assert thread.name == "litegraph-cgroups" and thread.is_alive()
+
+
+async def _nothing(_pid: int, _ticks: int | None) -> None:
+    pass

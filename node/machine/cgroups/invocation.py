@@ -127,7 +127,7 @@ class InvocationCgroup:
         return frozenset(found)
 
     def finish_if_empty(self) -> tuple[CgroupUsage | None, bool] | None:
-        """The common ending in one blocking call (run it in a worker thread: cgroupfs
+        """The common ending in one blocking call (run it off the event loop: cgroupfs
         mkdir, rmdir and reads cost milliseconds of kernel time): if nothing is left in
         the cgroup, its usage (None if unreadable, logged), then every directory
         removed, and whether all went. None when something is still in it: nothing
