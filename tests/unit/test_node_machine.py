@@ -113,16 +113,23 @@ async def test_aclose_waits_for_an_abandoned_journal_write(
     machine = await open_machine(tmp_path)
     journal = machine.journal
     real_append = journal.append_framed
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
 
     def slow_append(batch: Sequence[tuple[Record, bytes]]) -> None:
+        started.set()
         gate.wait(10)  # a disk that takes its time
         real_append(batch)
 
     monkeypatch.setattr(journal, "append_framed", slow_append)
     try:
-        with trio.move_on_after(0.1):  # the caller gives up; the thread runs on
-            await machine.reserve(ReservationRequest(reservation_id="late", cpu_millis=100))
+        # The caller gives up once its write is under way (not after a fixed time, which
+        # a loaded machine may spend before the write starts); the thread runs on.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                machine.reserve, ReservationRequest(reservation_id="late", cpu_millis=100)
+            )
+            assert await trio.to_thread.run_sync(started.wait, 10)
+            nursery.cancel_scope.cancel()
         closed = trio.Event()
 
         async def close() -> None:
@@ -131,10 +138,10 @@ async def test_aclose_waits_for_an_abandoned_journal_write(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(close)
-            await trio.sleep(0.2)
+            await trio.testing.wait_all_tasks_blocked()
             assert not closed.is_set()  # not closed under the running write
             gate.set()
-            with trio.fail_after(5):
+            with trio.fail_after(10):
                 await closed.wait()
     finally:
         gate.set()
@@ -145,15 +152,21 @@ async def test_aclose_waits_for_an_abandoned_journal_write(
 
 
 async def test_aclose_leaves_a_stuck_write_its_descriptor(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    mock_clock: trio.testing.MockClock,
 ) -> None:
+    # Virtual time: the journal's 0.1 s deadline and shutdown's 0.2 s wait pass only
+    # once the write is stuck in its thread, however long a loaded machine takes to
+    # open the journal and start that write.
     machine = await open_machine(tmp_path, journal_timeout=0.1)
     journal = machine.journal
     real_append = journal.append_framed
-    gate = threading.Event()
-    finished = threading.Event()
+    started, gate, finished = threading.Event(), threading.Event(), threading.Event()
 
     def stuck_append(batch: Sequence[tuple[Record, bytes]]) -> None:
+        started.set()
         gate.wait(10)  # a hung disk
         real_append(batch)
         finished.set()
@@ -161,13 +174,17 @@ async def test_aclose_leaves_a_stuck_write_its_descriptor(
     await machine.reserve(ReservationRequest(reservation_id="held", cpu_millis=100))
     monkeypatch.setattr(journal, "append_framed", stuck_append)
     try:
-        await machine.release("held")  # times out, logged; the write runs on
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(machine.release, "held")  # times out, logged; the write runs on
+            assert await trio.to_thread.run_sync(started.wait, 10)
+            mock_clock.autojump_threshold = 0
+        assert "journal release of held failed" in caplog.text
         await machine.aclose(journal_wait=0.2)
         assert "still running" in caplog.text
     finally:
         gate.set()
     # The descriptor was left to the write, which still reaches the journal.
-    assert await trio.to_thread.run_sync(finished.wait, 5)
+    assert await trio.to_thread.run_sync(finished.wait, 10)
     journal.close()
     replayed, replay = Journal.open(tmp_path)
     replayed.close()
