@@ -145,14 +145,16 @@ def _announce_dev(url: str, daemon: Any) -> None:
 
 def _devices_line(inventory: Any) -> str:
     """What the node runs on, in words; simulated devices say so, and why."""
-    gpus = len(inventory.gpus)
+    from node.status_view import gpu_summary
+
+    gpus = gpu_summary(inventory.gpus)
     if inventory.backend != "sim":
-        return f"{gpus} GPU(s) through {inventory.backend}"
+        return f"{gpus} through {inventory.backend}"
     fallback = "simulated workstation ("
     why = next((n[len(fallback) : -1] for n in inventory.notes if n.startswith(fallback)), None)
     if why is None:
-        return f"SIMULATED: {gpus} GPU(s) that are not real hardware (--devices sim)"
-    return f"SIMULATED: {gpus} GPU(s) that are not real hardware; NVML gave none: {why}"
+        return f"SIMULATED: {gpus} that are not real hardware (--devices sim)"
+    return f"SIMULATED: {gpus} that are not real hardware; NVML gave none: {why}"
 
 
 def _how_to_call() -> str:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
+from typing import Protocol
 
 from api.wire import NodeStatus
 from node.machine.snapshot import Amounts, NodeSnapshot
 from supervisor.wire import InvocationState, InvocationStatus
 
-__all__ = ["invocation_table", "status_text", "table"]
+__all__ = ["gpu_summary", "invocation_table", "status_text", "table"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -36,6 +37,26 @@ def cores(millis: int) -> str:
     return f"{millis / 1000:g}"
 
 
+class _Gpu(Protocol):
+    """A physical GPU as discovery (`GpuDevice`) and the snapshot (`DeviceSection`) have it."""
+
+    @property
+    def mig_instances(self) -> Sized: ...
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def gpu_summary(gpus: Sequence[_Gpu]) -> str:
+    """The node's GPUs in words, the same for `dev`'s banner and `status`: physical GPUs,
+    and the MIG instances some are split into, e.g. "2 GPUs (3 MIG instances)". (Capacity
+    counts lanes instead: a whole GPU is one, each MIG instance another.)"""
+    text = _counted(len(gpus), "GPU")
+    migs = sum(len(gpu.mig_instances) for gpu in gpus)
+    return f"{text} ({_counted(migs, 'MIG instance')})" if migs else text
+
+
 def _row(name: str, amounts: Amounts, show: Callable[[int], str]) -> list[str]:
     return [
         name,
@@ -51,11 +72,13 @@ def status_text(node: NodeStatus, snapshot: NodeSnapshot) -> str:
     drained = ", DRAINED (admits no new work)" if node.drained else ""
     out = [f"node {node.node_id}: {readiness}{drained}\n"]
     out += [f"  {key}: {why}\n" for key, why in sorted(node.readiness_reasons.items())]
+    out += [f"devices: {gpu_summary(snapshot.devices)}\n"]
     capacity = snapshot.capacity
     rows = [
         _row("cpu (cores)", capacity.cpu_millis, cores),
         _row("memory", capacity.memory_bytes, size),
-        _row("gpus", capacity.gpus, str),
+        # A request's `gpus` counts lanes: a whole GPU, or one MIG instance.
+        _row("gpu lanes", capacity.gpus, str),
     ]
     rows += [
         [f"vram {v.lane_id}", size(v.capacity), size(v.reserved), size(v.allocated),

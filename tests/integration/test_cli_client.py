@@ -276,8 +276,15 @@ def test_status_shows_readiness_capacity_lanes_and_counts(
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     assert lines[0] == f"node {shown['node']['node_id']}: ready"
-    assert lines[2].split() == ["RESOURCE", "TOTAL", "RESERVED", "ALLOCATED", "FREE"]
-    assert lines[3].split()[:5] == ["cpu", "(cores)", str(cpu["capacity"] // 1000), "1", "0.1"]
+    header = lines.index(next(line for line in lines if line.startswith("RESOURCE")))
+    assert lines[header].split() == ["RESOURCE", "TOTAL", "RESERVED", "ALLOCATED", "FREE"]
+    assert lines[header + 1].split()[:5] == [
+        "cpu",
+        "(cores)",
+        str(cpu["capacity"] // 1000),
+        "1",
+        "0.1",
+    ]
     for lane in lanes:
         (row,) = [line for line in lines if line.startswith(lane["lane_id"])]
         assert row.split()[1:] == [
@@ -287,6 +294,27 @@ def test_status_shows_readiness_capacity_lanes_and_counts(
             "-",
         ]
     assert ["running", "1"] in [line.split() for line in lines]
+
+
+def test_dev_banner_and_status_count_the_gpus_alike(tmp_path: pathlib.Path) -> None:
+    # The simulated workstation: one whole GPU and one split into three MIG instances,
+    # four GPU lanes in all.
+    state = tmp_path / "state"
+    env = clean_env()
+    argv = node_command("dev", "--listen", "127.0.0.1:0", "--state-dir", str(state))
+    with spawned([*argv, "--devices", "sim"], env) as proc:
+        wait_for_line(proc, DEV_LISTENING)
+        banner = wait_for_line(proc, r"  devices: +(.*)")
+        text = client(env, "--state-dir", str(state), "status")
+        assert text.returncode == 0, text.stderr
+        shown = json.loads(client(env, "--state-dir", str(state), "status", "--json").stdout)
+        assert stop(proc, signal.SIGINT) == 0
+    assert "2 GPUs (3 MIG instances)" in banner, banner
+    lines = text.stdout.splitlines()
+    assert "devices: 2 GPUs (3 MIG instances)" in lines, text.stdout
+    (row,) = [line.split() for line in lines if line.startswith("gpu lanes")]
+    lanes = [lane for lane in shown["snapshot"]["lanes"] if lane["kind"] != "cpu"]
+    assert row[2] == str(len(lanes)) == "4"
 
 
 def test_ls_lists_invocations_by_state_and_limit(
