@@ -11,6 +11,10 @@ listen on 0.0.0.0 without TLS:
   already answered, and that error ended the whole server.
 - Whatever a connection raises is logged and closes that connection; only
   cancellation leaves `run`, so nothing a client sends can end `serve_http`.
+- An answer that starts before the request's body has all arrived (a refusal
+  that reads no body) says `Connection: close`. Hypercorn closes such a
+  connection once the answer is sent but did not say so, and a client that
+  reused it found it closed with no answer ("Server disconnected").
 - The read timeout guards reading a request, not handling one. Hypercorn
   arms it around every read, so a handler that ran longer (a long kernel) or
   an event stream was cut off with no answer. Here it is off from the moment
@@ -22,6 +26,7 @@ listen on 0.0.0.0 without TLS:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import struct
@@ -30,6 +35,8 @@ from typing import Any
 import h11
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.events import Response
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
@@ -60,6 +67,17 @@ class _Http11(H11Protocol):
         # Hypercorn's own check switches to HTTP/2 here; this one never does.
         if (event.method, event.target, event.http_version) == (b"PRI", b"*", b"2.0"):
             raise _Http2Refused
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        if (
+            isinstance(event, Response)
+            and event.status_code >= 200
+            and isinstance(self.connection, h11.Connection)
+            and self.connection.their_state is not h11.DONE
+        ):
+            # The rest of the body will not be read: this connection ends with this answer.
+            event = dataclasses.replace(event, headers=[*event.headers, (b"connection", b"close")])
+        await super().stream_send(event)
 
 
 class _Http11Only:

@@ -16,6 +16,7 @@ import h2.events
 import h2.exceptions
 import h11
 import pytest
+import quart
 import trio
 from hypercorn.protocol.h11 import H11Protocol
 from quart_trio import QuartTrio
@@ -137,4 +138,64 @@ async def test_transport_an_error_inside_one_connection_closes_only_that_connect
                 await raw_request(url, http_request("GET", "/boom"))
             for _ in range(3):
                 assert (await raw_request(url, http_request("GET", "/ok"))).body == b"ok"
+            stop.set()
+
+
+async def _answer(stream: trio.SocketStream, client: h11.Connection) -> h11.Response:
+    """Read one whole response on `stream`; its head."""
+    response: h11.Response | None = None
+    while True:
+        event = client.next_event()
+        if event is h11.NEED_DATA:
+            client.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.EndOfMessage):
+            assert response is not None
+            return response
+
+
+@pytest.mark.parametrize("body_first", [True, False], ids=["body-sent", "body-not-sent-yet"])
+async def test_transport_an_answer_before_the_whole_body_says_the_connection_closes(
+    body_first: bool,
+) -> None:
+    # A client reuses a connection whose answer did not say "close". An answer given
+    # before the request's body has all arrived (a refusal that reads no body) ends the
+    # connection, so it must say so; otherwise the client's next request on it finds
+    # the connection closed with no answer.
+    app = QuartTrio("transport")
+
+    @app.post("/early")
+    async def early() -> tuple[str, int]:
+        return "refused", 401  # the body is never read
+
+    @app.post("/read")
+    async def read() -> bytes:
+        return await quart.request.get_data()
+
+    settings = HttpSettings("127.0.0.1:0", 5.0, 5.0, 5.0, metrics_auth=False)
+    stop = trio.Event()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            host, port = host_port((await nursery.start(serve_http, app, settings, stop))[0])
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                client = h11.Connection(h11.CLIENT)
+                head = [("Host", "x"), ("Content-Length", "4")]
+                for target in ("/read", "/read"):  # a body read whole: the connection stays
+                    request = h11.Request(method="POST", target=target, headers=head)
+                    await stream.send_all(client.send(request) + client.send(h11.Data(b"ping")))
+                    await stream.send_all(client.send(h11.EndOfMessage()))
+                    assert (await _answer(stream, client)).status_code == 200
+                    assert client.our_state is h11.DONE and client.their_state is h11.DONE
+                    client.start_next_cycle()
+                await stream.send_all(
+                    client.send(h11.Request(method="POST", target="/early", headers=head))
+                )
+                if body_first:
+                    await stream.send_all(client.send(h11.Data(b"pi")))  # half the body
+                answer = await _answer(stream, client)
+                assert answer.status_code == 401
+                assert (b"connection", b"close") in answer.headers, answer.headers
+                assert await stream.receive_some(65536) == b""  # and it does close
             stop.set()
