@@ -145,6 +145,19 @@ async def test_a_setsid_grandchild_is_gone_when_its_invocation_ends(
         assert left == []
 
 
+def _described(pids: list[int]) -> list[str]:
+    """Each pid with its state and command line, for a failure message."""
+    seen = []
+    for pid in pids:
+        try:
+            state = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        seen.append(f"{pid} {state} {cmdline.decode(errors='replace')[:200]}")
+    return seen
+
+
 def test_a_setsid_grandchild_is_gone_after_a_daemon_sigkill_and_restart(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -163,14 +176,16 @@ def test_a_setsid_grandchild_is_gone_after_a_daemon_sigkill_and_restart(
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
         # The sandbox dies with its daemon: nothing of the guest outlives it.
-        assert wait_gone(host_pids_with(marker)) == []
+        left = wait_gone(host_pids_with(marker))
+        assert left == [], _described(left)
         with subprocess_node(state, env=env) as (_, url, op):
             with httpx.Client(base_url=url, headers=op, timeout=10) as client:
                 snapshot = client.get("/v1/snapshot").json()
-                assert snapshot["capacity"]["cpu_millis"]["allocated"] == 0
+                assert snapshot["capacity"]["cpu_millis"]["allocated"] == 0, snapshot
                 assert json.dumps(snapshot).count(body["id"]) == 0
-        cgroups = system_cgroups()
-        if isinstance(cgroups, Cgroups):  # the dead daemon's cgroup is gone too
-            assert body["id"] not in cgroups.leftovers()
+            # Checked while the restarted daemon runs, so a failure shows what it said.
+            cgroups = system_cgroups()
+            if isinstance(cgroups, Cgroups):  # the dead daemon's cgroup is gone too
+                assert body["id"] not in cgroups.leftovers()
     finally:
         kill_all(host_pids_with(marker))
