@@ -6,8 +6,9 @@ junk or foreign token never takes a place), then work waits in the lane's
 full share refuses at once (`LaneBusy`, 429 at the edge). When its turn comes
 the owner validates the token again for this lane, the operation and the
 VRAM the invocation would then hold. An owner that crashes is restarted; more than
-`max_restarts` crashes within `window` seconds fault the lane (it leaves
-allocatable) and its pending work is refused.
+`max_restarts` crashes within `window` seconds fault the lane and its pending
+work is refused; a GPU lane also leaves allocatable, while the CPU pool keeps
+its processes and builtins (they never use its host).
 
 The work runs in the lane's host process (one per lane, started here): the
 owner keeps which buffer belongs to which invocation and forwards only ids the
@@ -265,7 +266,13 @@ class LaneOwner:
                 if len(recent) > self._max_restarts:
                     self.faulted = True
                     self.host_status = "faulted"
-                    self._on_fault(self.lane.lane_id)
+                    log.error(
+                        "lane %s: its host failed too often; out of service", self.lane.lane_id
+                    )
+                    if self.lane.is_gpu:
+                        # The CPU pool's processes and builtins never use its host:
+                        # only the lane work refused here goes with it.
+                        self._on_fault(self.lane.lane_id)
                     self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
                     return
         finally:

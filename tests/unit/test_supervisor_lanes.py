@@ -385,6 +385,37 @@ async def test_too_many_crashes_fault_the_lane_and_cancel_its_work(
         assert rig.sup.owners[lane_id].used_bytes == 0
 
 
+async def test_a_faulted_cpu_lane_host_refuses_its_lane_work_but_not_the_cpu_pool(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Processes and builtins on the CPU pool never use its lane host: a host that
+    fails too often takes out the kernels it serves, not the pool's other work."""
+    async with open_rig(tmp_path) as rig:
+        lane_id, token = only_lane(await rig.sup.submit(builtin("kernels", seconds=1000)))
+        assert rig.machine.ledger.lane(lane_id).kind is LaneKind.CPU  # type: ignore[union-attr]
+        await rig.sup.submit(builtin("bystander", seconds=1000))
+        owner = rig.sup.owners[lane_id]
+        for _ in range(6):
+            with pytest.raises(LaneWorkError):
+                await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
+        assert owner.faulted
+        # Fail closed for what the host serves: lane work is refused with its reason...
+        with pytest.raises(LaneWorkError) as refused:
+            await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
+        assert (refused.value.status, refused.value.code) == (503, "lane_unhealthy")
+        assert rig.sup.faulted_lanes() == f"lane hosts failed too often: {lane_id}"
+        # ...while the pool's running work goes on and new work is still admitted.
+        await trio.testing.wait_all_tasks_blocked()
+        for invocation_id in ("kernels", "bystander"):
+            assert rig.sup.get(invocation_id).state is S.running
+            assert rig.sup.get(invocation_id).reason is None
+        assert rig.machine.ledger.available(lane_id)
+        await rig.sup.submit(builtin("echo", "echo", text="hi"))
+        assert await rig.wait_terminal("echo") is S.succeeded
+        for invocation_id in ("kernels", "bystander"):
+            await rig.sup.cancel(invocation_id)
+
+
 async def test_crashes_spread_beyond_the_window_do_not_fault(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
