@@ -145,12 +145,23 @@ def _widen_pipe(fd: int) -> None:
 def host_environment(
     visible_devices: Sequence[str], extra: Mapping[str, str], parent: Mapping[str, str]
 ) -> dict[str, str]:
-    """Allow-listed daemon variables < `extra` < the lane's devices ("" = none)."""
+    """Allow-listed daemon variables and the daemon's module path < `extra` < the
+    lane's devices ("" = none)."""
     env = {name: parent[name] for name in ENV_ALLOW_LIST if name in parent}
+    module_path = _absolute_entries(parent.get("PYTHONPATH", ""))
+    if module_path:
+        # The trusted host imports from where the daemon does (a daemon found only
+        # through PYTHONPATH would start hosts that exit with "No module named").
+        env["PYTHONPATH"] = module_path
     env.update(extra)
     for name in DEVICE_ENV_NAMES:
         env[name] = ",".join(visible_devices)
     return env
+
+
+def _absolute_entries(path: str) -> str:
+    # An empty or relative entry names the working directory, which `-P` keeps out.
+    return os.pathsep.join(p for p in path.split(os.pathsep) if os.path.isabs(p))
 
 
 _R = TypeVar("_R", bound=Reply)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 
 from node.machine.lanes import Isolation, Lane, LaneKind
@@ -39,3 +42,28 @@ async def test_a_host_command_that_cannot_start_fails_typed() -> None:
     with pytest.raises(LaneHostFailed) as failed:
         await host.start()
     assert failed.value.reason == "start_failed"
+
+
+async def test_a_host_the_daemon_finds_through_its_pythonpath_starts(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host runs the daemon's interpreter on the daemon's module path, so it
+    starts wherever the daemon's own imports come from; an empty or relative
+    entry (the working directory, which `-P` keeps out) is not passed on."""
+    modules = tmp_path / "modules"
+    (modules / "pathonly_host").mkdir(parents=True)
+    (modules / "pathonly_host" / "__main__.py").write_text(
+        "from lanehost.host import main\nraise SystemExit(main())\n"
+    )
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    marker = tmp_path / "planted-code-ran"
+    (workdir / "numpy.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    monkeypatch.chdir(workdir)
+    monkeypatch.setenv("PYTHONPATH", f":.:work:{modules}")
+    command = (sys.executable, "-P", "-m", "pathonly_host")
+    async with lane_host_factory(command, backend="numpy")(CPU) as host:
+        assert host.hello.backend == "numpy"
+        assert await host.run("noop") == {}
+    assert host._env["PYTHONPATH"] == str(modules)
+    assert not marker.exists()
