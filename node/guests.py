@@ -9,6 +9,7 @@ notes and, where it blocks process work, in /readyz.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -24,8 +25,9 @@ from api.unix_server import bind_unix_socket
 from node.config import Config
 from node.machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from supervisor.guests import GuestPolicy
-from supervisor.identity import UidPool, become, can_switch_users, parse_uid_range
-from supervisor.sandbox import SandboxSpec, SandboxUnavailable, bwrap_argv, find_bwrap
+from supervisor.identity import UidPool, can_switch_users, parse_uid_range
+from supervisor.launch import plan
+from supervisor.sandbox import SandboxSpec, SandboxUnavailable, find_bwrap
 
 __all__ = ["GuestSetup", "GuestSetupError", "default_run_dir", "open_guest_setup"]
 
@@ -74,19 +76,28 @@ def _prepare_run_dir(path: pathlib.Path) -> pathlib.Path:
 
 
 async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
-    """Run `true` in a sandbox as a guest would; None when it works, else why not."""
+    """Run `true` in a sandbox the way a guest starts (its gate, setpriv or the
+    in-child uid drop, bwrap); None when it works, else why not."""
     true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
-    argv = bwrap_argv(SandboxSpec(bwrap=bwrap, isolate_network=True), [true])
-
-    def drop() -> None:
-        if uid is not None:
-            become(uid)
-
+    sandbox = SandboxSpec(bwrap=bwrap, isolate_network=True)
     try:
         with trio.fail_after(SELF_TEST_SECONDS):
-            result = await trio.run_process(
-                argv, capture_stderr=True, check=False, preexec_fn=drop, cwd="/"
+            launch = await trio.to_thread.run_sync(
+                functools.partial(plan, [true], env={}, sandbox=sandbox, uid=uid, cgroup=None)
             )
+            try:
+                result = await trio.run_process(
+                    launch.argv,
+                    stdin=b"go\n",  # opens the gate (or bwrap's --block-fd)
+                    capture_stderr=True,
+                    check=False,
+                    env=launch.env,
+                    preexec_fn=launch.preexec_fn,
+                    pass_fds=launch.pass_fds,
+                    cwd="/",
+                )
+            finally:
+                launch.close()
     except (OSError, trio.TooSlowError) as exc:
         return f"{bwrap} did not run: {exc}"
     if result.returncode != 0:

@@ -46,7 +46,7 @@ from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
 from supervisor.lifecycle import TERMINAL, Ending, next_state
 from supervisor.listing import Listed, ListQuery, page
 from supervisor.logstore import LogStore
-from supervisor.process import ProcessStuck
+from supervisor.process import ConfinementFailed, ProcessStuck
 from supervisor.remembered import (
     ended_record,
     recorded_status,
@@ -470,6 +470,8 @@ class Supervisor:
                 inv.reason = None if inv.exit_code == 0 else inv.failure_reason()
         except ProcessStuck as exc:
             ending, inv.reason, inv.stuck = Ending.fail, f"process_stuck: {exc}", True
+        except ConfinementFailed as exc:
+            ending, inv.reason = Ending.fail, f"confinement_failed: {exc}"[:500]
         except Exception as exc:
             ending, inv.reason = Ending.fail, f"{type(exc).__name__}: {exc}"[:500]
         except BaseException:

@@ -46,6 +46,7 @@ __all__ = [
     "ENV_ALLOW_LIST",
     "RESERVED_ENV_NAMES",
     "SYSTEM_CGROUPS",
+    "ConfinementFailed",
     "InvalidProcessRequest",
     "ProcessSpec",
     "ProcessStuck",
@@ -154,6 +155,10 @@ class InvalidProcessRequest(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class ConfinementFailed(RuntimeError):
+    """The guest's cgroup could not be made: it does not run without its limits."""
 
 
 class ProcessStuck(RuntimeError):
@@ -339,7 +344,9 @@ def _memory_plan(
         try:
             return cgroups.create(spec.cgroup_name, limits), None
         except CgroupError as exc:
-            log.warning("no cgroup for %s: %s", spec.cgroup_name, exc)
+            # The node has cgroups: a guest without one would escape its CPU, pids
+            # and device limits and the whole-cgroup kill. It does not run.
+            raise ConfinementFailed(f"no cgroup for {spec.cgroup_name}: {exc}") from exc
     if spec.cpu_only:
         return None, limit
     log.warning(

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import stat
 
 from tests.confinement.guests import confined_node, python, run_to_end
 from tests.helpers import guest_run_dir
 
+NVIDIA_NODES = {
+    "nvidia0": (195, 0),
+    "nvidia1": (195, 1),
+    "nvidiactl": (195, 255),
+    "nvidia-uvm": (510, 0),
+    "nvidia-uvm-tools": (510, 1),
+}
 LIST_DEV = "import os; print(sorted(n for n in os.listdir('/dev') if n.startswith('nvidia')))"
 
 
 def fake_dev_root() -> pathlib.Path:
-    """Stand-ins for /dev/nvidia0, /dev/nvidia1 and the driver's control nodes."""
+    """Stand-ins for /dev/nvidia0, /dev/nvidia1 and the driver's control nodes: character
+    devices with the driver's numbers (a guest's device cgroup allows them by number;
+    without the driver nothing answers behind them)."""
     root = pathlib.Path(guest_run_dir())
     root.chmod(0o755)
-    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
-        (root / name).write_text("")
+    for name, (major, minor) in NVIDIA_NODES.items():
+        os.mknod(root / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
         (root / name).chmod(0o666)
     return root
 

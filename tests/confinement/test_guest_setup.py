@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 import pytest
 import trio
@@ -13,6 +14,8 @@ from node.daemon import Daemon
 from tests.adversarial.fixtures import running_node
 from tests.api_fixtures import daemon_config
 from tests.confinement.guests import python, run_to_end
+
+SELF_TEST_UID = 200_611
 
 
 async def test_process_work_with_zero_cpu_or_memory_is_refused(tmp_path: pathlib.Path) -> None:
@@ -68,3 +71,14 @@ async def test_dev_that_cannot_switch_users_says_so_and_still_sandboxes(
         assert daemon.supervisor.guests.uids is None
         assert daemon.supervisor.guests.bwrap is not None
         daemon.stop.set()
+
+
+async def test_the_start_up_check_starts_its_sandbox_the_way_guests_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bwrap = pathlib.Path(shutil.which("bwrap") or "bwrap")
+    assert await node.guests._sandbox_works(bwrap, SELF_TEST_UID) is None
+    # A uid drop that cannot work here would stop every guest: start-up must see it.
+    monkeypatch.setattr("supervisor.launch.find_setpriv", lambda: "/bin/false")
+    failure = await node.guests._sandbox_works(bwrap, SELF_TEST_UID)
+    assert failure is not None and "failed here (exit 1)" in failure

@@ -13,7 +13,7 @@ import trio
 from capabilities import LaneOp, TokenRefused
 from node.machine.health import Signal
 from node.machine.lanes import Isolation, Requirement
-from supervisor.process import ProcessStuck
+from supervisor.process import ConfinementFailed, ProcessStuck
 from supervisor.wire import InvocationState
 from tests.supervisor_fixtures import (
     SIM_GPU,
@@ -229,5 +229,26 @@ async def test_a_process_that_survives_sigkill_keeps_its_resources_and_faults_it
         # Still held (the device may still be in use) and its lane out of allocatable.
         assert rig.machine.ledger.get("d") is not None
         assert not rig.machine.ledger.available(lane_id)
+        with pytest.raises(TokenRefused):
+            rig.sup.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)
+
+
+async def test_a_guest_whose_cgroup_cannot_be_made_fails_typed_and_releases_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unconfinable(*args: object, **kwargs: object) -> int:
+        raise ConfinementFailed("no cgroup for d: taken")  # what run_process says then
+
+    monkeypatch.setattr("supervisor.runner.run_process", unconfinable)
+    async with open_rig(tmp_path) as rig:
+        accepted = await rig.sup.submit(
+            process("d", "true", requirement=Requirement.GPU, gpus=1, vram_bytes=GiB)
+        )
+        ((lane_id, token),) = accepted.tokens.items()
+        assert await rig.wait_terminal("d") is InvocationState.failed
+        assert rig.sup.get("d").reason == "confinement_failed: no cgroup for d: taken"
+        # Nothing ran, so nothing is held: the lane stays allocatable.
+        assert rig.machine.ledger.get("d") is None
+        assert rig.machine.ledger.available(lane_id)
         with pytest.raises(TokenRefused):
             rig.sup.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)

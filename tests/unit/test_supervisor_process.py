@@ -20,6 +20,7 @@ from node.machine.cgroups import Cgroups, system_cgroups
 from node.machine.proc import read_stat
 from supervisor.output import OutputRing
 from supervisor.process import (
+    ConfinementFailed,
     InvalidProcessRequest,
     ProcessSpec,
     build_environment,
@@ -505,13 +506,21 @@ async def test_the_cgroup_is_removed_when_spawning_fails(tmp_path: Path) -> None
     assert cgroups.leftovers() == []
 
 
-async def test_a_cgroup_that_cannot_be_made_falls_back_to_rlimit_as(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpu_only", [True, False])
+async def test_a_cgroup_that_cannot_be_made_fails_the_run_before_anything_runs(
+    tmp_path: Path, cpu_only: bool
+) -> None:
     cgroups, own = _fake_cgroups(tmp_path)
     (own / "litegraph-taken").mkdir()  # a leftover under the same name is never reused
+    marker = tmp_path / "ran"
     run = Run()
-    argv = spec(*PRINT_RLIMIT, memory_limit_bytes=LIMIT, cpu_only=True, cgroup_name="taken")
-    assert await run(argv, cgroups=cgroups) == 0
-    assert int(run.stdout.text()) == LIMIT
+    argv = spec(
+        "touch", str(marker), memory_limit_bytes=LIMIT, cpu_only=cpu_only, cgroup_name="taken"
+    )
+    with pytest.raises(ConfinementFailed, match="taken"):
+        await run(argv, cgroups=cgroups)
+    assert run.started == [] and not marker.exists()
+    assert sorted(p.name for p in own.iterdir() if p.is_dir()) == ["litegraph-taken"]
 
 
 async def test_a_real_cgroup_kills_what_left_the_process_group() -> None:
