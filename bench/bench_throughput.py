@@ -4,7 +4,8 @@
   and on tmpfs: the physical limit of a journal that fsyncs;
 - in process: 64 concurrent clients submitting no-op builtins and waiting for each
   to end, journal fsync'd on disk and on tmpfs, against 64 bare trio tasks doing
-  the same number of checkpoints; with the invocations each fsync carried;
+  the same number of checkpoints; with the invocations each fsync carried; the
+  garbage collector set as `serve` sets it once start-up is done (node/heap.py);
 - through the HTTP API (a `serve` subprocess, this process the client): batches of
   256 no-op builtins, each followed by a wait for its ids, two batches in flight,
   state dir on disk and on tmpfs; the same for `true` processes (batches of 64,
@@ -39,6 +40,7 @@ import trio
 from bench.bench_api import serve
 from bench.bench_supervisor import SHM, request, supervisor
 from bench.harness import Finding, median, percentile
+from node.heap import settle_heap
 
 REPEATS = 5
 IN_PROCESS_N = 2000
@@ -83,6 +85,19 @@ def fsync_rate(directory: str | None, seconds: float = 1.0) -> float:
 # -- in process -----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _settled_heap() -> Iterator[None]:
+    """The collector as `serve` leaves it once started (its start-up heap frozen, young
+    collections less often), put back afterwards for the rest of this bench."""
+    threshold = gc.get_threshold()
+    settle_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+
+
 async def _in_process(state_dir: pathlib.Path) -> tuple[float, float, float]:
     """(invocations/s, invocations per journal fsync, CPU seconds per invocation) with
     CLIENTS concurrent clients."""
@@ -98,11 +113,12 @@ async def _in_process(state_dir: pathlib.Path) -> tuple[float, float, float]:
 
         group = sup.machine.group_commit
         batches = group.batches
-        start, cpu = time.perf_counter(), time.process_time()
-        async with trio.open_nursery() as nursery:
-            for _ in range(CLIENTS):
-                nursery.start_soon(client)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        with _settled_heap():
+            start, cpu = time.perf_counter(), time.process_time()
+            async with trio.open_nursery() as nursery:
+                for _ in range(CLIENTS):
+                    nursery.start_soon(client)
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         fsyncs = group.batches - batches
     return IN_PROCESS_N / elapsed, IN_PROCESS_N / max(1, fsyncs), cpu / IN_PROCESS_N
 
@@ -511,12 +527,14 @@ def notes(findings: list[Finding]) -> list[str]:
                 f" {m['in_process'] / 10_000:.2f}x the 10,000/s target. With the journal on"
                 f" tmpfs it is {m['in_process_tmpfs']:,.0f}/s, at"
                 f" {m['in_process_cpu'] * 1e6:.0f} us of CPU per invocation: the bound is the"
-                " Python work per invocation, not the fsync rate. About a quarter of it is the"
-                " token every grant gets (an Ed25519 signature, about 23 us bare, plus its"
-                " claims); the rest is admission, the reservation in the ledger, three journal"
-                " records, three status events and the actor task with its two cancel scopes"
-                " (the invocation's deadline, the shielded cleanup). 10,000/s would need 100 us"
-                " on a whole core, with nothing else running."
+                " Python work per invocation, not the fsync rate. About 30 us of it is the"
+                " token every grant gets (an Ed25519 signature, about 21 us, which holds the"
+                " interpreter while it signs, plus its claims); about 15 us is trio's own"
+                " scheduling (the actor task, its deadline scope, four wake-ups); the rest is"
+                " admission, the reservation in the ledger, three journal records in one"
+                " group commit and the status events. 10,000/s needs 100 us on a whole core"
+                " with nothing else running, and the journal's writer thread and the"
+                " machine's other load share the two cores."
             )
         elif name.startswith("through the API: no-op"):
             out.append(
@@ -537,16 +555,19 @@ def notes(findings: list[Finding]) -> list[str]:
                 f" {m['true_cpu'] * 1e3:.1f} ms of the daemon's CPU and"
                 f" {m['true_children_cpu'] * 1e3:.1f} ms of its guest's, so two idle cores"
                 f" would allow about {2 / (m['true_cpu'] + m['true_children_cpu']):,.0f}/s."
-                " Much of the daemon's share is kernel work: a cgroup made in six v1"
-                " hierarchies (mkdir, limits, the device allow-list) and removed again, a"
-                " fork of the daemon whose child joins them and drops to the guest's uid"
-                " before exec; the guest's is bubblewrap's namespaces and mounts, then"
-                " `true`. Journaling (started; released, ended and outcome in one write)"
-                " is a small part. A grant of"
-                f" {PROCESS_CPU_MILLIS} milli-CPUs no longer throttles the start-up (its"
+                " The guest's share is the chain every confined guest starts through, each"
+                " link an exec whose dynamic loading is much of its cost on this machine: the"
+                " gate shell that holds it until its start is journaled, setpriv taking its"
+                " uid, bubblewrap's namespaces and mounts (its /dev and network namespace"
+                " most), then `true`; alone it would cap two idle cores at"
+                f" {2 / m['true_children_cpu']:,.0f}/s. The daemon's share"
+                " is its cgroup made in seven v1 hierarchies (mkdir, limits, device rules)"
+                " and removed again, the guest's token file, the Python of the API, the"
+                " supervisor and the process path, and thread hand-offs; the guest is"
+                " vforked, so the daemon's memory is not copied. A grant of"
+                f" {PROCESS_CPU_MILLIS} milli-CPUs does not throttle the start-up (its"
                 " period's quota holds 20 ms): one at a time, a `true` ends"
-                f" {m['one_true'] * 1e3:.0f} ms after it is submitted (about 300 ms while"
-                " a 2 ms quota per 100 ms throttled it)."
+                f" {m['one_true'] * 1e3:.0f} ms after it is submitted."
             )
         elif name.startswith("through the API: cancel"):
             out.append(
