@@ -35,12 +35,13 @@ from node.machine.cgroups import (
     InvocationCgroup,
     system_cgroups,
 )
+from node.machine.kept_thread import KeptThread
 from node.machine.proc import process_start_ticks
 from node.machine.procgroup import terminate_group
 from supervisor.launch import Launch, plan
 from supervisor.output import OutputRing, Sink, pump
 from supervisor.sandbox import SandboxSpec
-from supervisor.spawn import Child, KeptThread, spawn
+from supervisor.spawn import Child, spawn
 
 __all__ = [
     "ENV_ALLOW_LIST",
@@ -140,7 +141,7 @@ _DRAIN_SECONDS = 1.0
 
 # Every guest's cgroup work (mkdir, limits, usage, rmdir: blocking cgroupfs calls) runs
 # on this one thread, in turn.
-_CGROUP_THREAD = KeptThread("litegraph-cgroups")
+_CGROUP_THREAD = KeptThread("litegraph-cgroups", idle_exit=None)
 
 # run_process's default: this host's cgroups, detected on first use.
 SYSTEM_CGROUPS: Literal["system"] = "system"
@@ -410,7 +411,9 @@ async def run_process(
     # mkdir and the limit writes cost milliseconds of kernel time: not on the event
     # loop. Never lost to a cancel (the job completes; spawn's failure path below
     # removes the cgroup).
-    cgroup, launch = await _CGROUP_THREAD.run(functools.partial(_prepare, spec, cgroups, env))
+    cgroup, launch = await _CGROUP_THREAD.run(
+        functools.partial(_prepare, spec, cgroups, env), shield=True
+    )
     gate_read, gate_write = os.pipe()
     try:
         proc = await spawn(
@@ -447,7 +450,7 @@ async def run_process(
             await terminate_group(pgid, kill_grace, leader=proc)
             if cgroup is not None:
                 # Usually nothing is left: usage and removal in one worker-thread call.
-                finished = await _CGROUP_THREAD.run(cgroup.finish_if_empty)
+                finished = await _CGROUP_THREAD.run(cgroup.finish_if_empty, shield=True)
                 if finished is not None:
                     usage, removed = finished
                     if on_usage is not None and usage is not None:

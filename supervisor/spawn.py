@@ -18,63 +18,18 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import subprocess
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import outcome
 import trio
 
-__all__ = ["Child", "KeptThread", "popen", "spawn"]
+from node.machine.kept_thread import KeptThread
 
-_Job = tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]]
+__all__ = ["Child", "popen", "spawn"]
 
-
-class KeptThread:
-    """One thread, started on first use and kept while the daemon runs, that runs
-    blocking jobs in turn. Handing it a job costs a tenth of what a trio worker
-    thread costs when dozens of callers come at once (no thread started, woken and
-    parked for each)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def _loop(self) -> None:
-        while True:
-            job, deliver = self._jobs.get()
-            deliver(outcome.capture(job))
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-
-    async def run(self, job: Callable[[], Any]) -> Any:
-        """`job()` on the thread; a job under way completes even if the caller is
-        cancelled (whatever it made is not lost)."""
-        self._start()
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        result: list[outcome.Outcome[Any]] = []
-
-        def deliver(value: outcome.Outcome[Any]) -> None:
-            result.append(value)
-            token.run_sync_soon(done.set)
-
-        self._jobs.put((job, deliver))
-        # A job under way completes either way: a child forked must not go unwatched.
-        with trio.CancelScope(shield=True):
-            await done.wait()
-        return result[0].unwrap()
-
-
-_FORKER = KeptThread("litegraph-fork")
+# Never idle-ended: a child dies with the thread that forked it.
+_FORKER = KeptThread("litegraph-fork", idle_exit=None)
 
 
 def _pidfd(pid: int) -> int | None:
@@ -147,7 +102,7 @@ async def popen(
     (if it raises, the child is killed and reaped). A fork under way completes even
     if the caller is cancelled, so its child is never lost."""
     child: subprocess.Popen[bytes] = await _FORKER.run(
-        functools.partial(_start, list(argv), place, kwargs)
+        functools.partial(_start, list(argv), place, kwargs), shield=True
     )
     return child
 

@@ -41,7 +41,7 @@ from node.machine.journal import (
     ReleaseRecord,
     ReserveRecord,
 )
-from node.machine.journal_writer import JournalWriter
+from node.machine.kept_thread import KeptThread
 from node.machine.lanes import build_lanes
 from node.machine.ledger import Ledger, Reservation, ReservationRequest
 from node.machine.monitor import probe_once, sync_ledger
@@ -144,7 +144,7 @@ class Machine:
         self._sequence = 0
         self._journal_timeout = journal_timeout
         # The journal's writes, one at a time, in a thread kept for them.
-        self._writer = JournalWriter()
+        self._writer = KeptThread("journal writer")
         self.group_commit = GroupCommit(journal, run=self._journal, timeout=journal_timeout)
 
     @classmethod

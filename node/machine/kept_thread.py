@@ -1,22 +1,29 @@
-"""The journal's writer: one long-lived thread that runs its writes, one at a time.
+"""A kept thread: one long-lived thread that runs blocking jobs, one at a time.
 
-A write (an append and its fsync) blocks, so it runs off the event loop. A
-thread kept for the journal answers faster than a worker thread taken per
-write (`trio.to_thread`: a limiter, a thread cache and a context copy each
+Blocking work (a journal write and its fsync, a fork, cgroupfs calls) runs off
+the event loop. A thread kept for it answers faster than a worker thread taken
+per call (`trio.to_thread`: a limiter, a thread cache and a context copy each
 time): the hand-off is a condition variable, the answer one
-`TrioToken.run_sync_soon` that reschedules the waiting task. This is the hot
-path of every durable step (a grant, a release before DELETE answers).
+`TrioToken.run_sync_soon` that reschedules the waiting task. The journal's
+writes are the hot path of every durable step (a grant, a release before DELETE
+answers); guests' forks and cgroups come dozens at once.
 
 `run(fn)` behaves as `trio.to_thread.run_sync(fn, abandon_on_cancel=True)`
-under a limiter of one: writes run in the order they were asked for, one at a
+under a limiter of one: jobs run in the order they were asked for, one at a
 time; a caller that is cancelled (its deadline passed) gets `Cancelled` at
-once. Its write, if it had not started, is taken out of the queue and never
-runs; if it had, it runs to its end (a write cannot be interrupted), its
-result is dropped, and the writes behind it wait for it. So the queue holds
-only writes whose callers still wait: it is bounded by them.
+once. Its job, if it had not started, is taken out of the queue and never
+runs; if it had, it runs to its end (it cannot be interrupted), its result is
+dropped, and the jobs behind it wait for it. So the queue holds only jobs whose
+callers still wait: it is bounded by them.
 
-The thread ends after `idle_exit` seconds with nothing to do and starts again
-with the next write; it is a daemon thread, like trio's workers.
+`run(fn, shield=True)` waits for the job whatever happens to the caller: what
+the job made (a forked child, a cgroup) is always handed back, and a cancel
+is raised at the caller's next checkpoint.
+
+With `idle_exit` the thread ends after that many seconds with nothing to do
+and starts again with the next job; with None it lives as long as the process
+(a child forked with a parent-death signal dies when the thread that forked it
+ends). It is a daemon thread, like trio's workers.
 """
 
 from __future__ import annotations
@@ -28,11 +35,11 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-__all__ = ["IDLE_EXIT", "JournalWriter"]
+__all__ = ["IDLE_EXIT", "KeptThread"]
 
 T = TypeVar("T")
 
-# How long the thread waits for the next write before it ends.
+# How long an idle thread waits for the next job before it ends (by default).
 IDLE_EXIT = 10.0
 
 
@@ -49,8 +56,8 @@ class _Job(Generic[T]):
         self.error: BaseException | None = None
 
 
-class JournalWriter:
-    def __init__(self, *, idle_exit: float = IDLE_EXIT, name: str = "journal writer") -> None:
+class KeptThread:
+    def __init__(self, name: str, *, idle_exit: float | None = IDLE_EXIT) -> None:
         self._idle_exit = idle_exit
         self._name = name
         self._lock = threading.Lock()
@@ -61,12 +68,12 @@ class JournalWriter:
 
     @property
     def queued(self) -> int:
-        """Writes waiting for the thread (not the one it runs)."""
+        """Jobs waiting for the thread (not the one it runs)."""
         return len(self._jobs)
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run `fn` in the writer thread after the writes asked for before it; return
-        its result or raise its exception. Cancellable (see the module's docstring)."""
+    async def run(self, fn: Callable[[], T], *, shield: bool = False) -> T:
+        """Run `fn` in the thread after the jobs asked for before it; return its result
+        or raise its exception. Cancellable unless `shield` (see the module's docstring)."""
         job = _Job(fn)
         with self._lock:
             self._jobs.append(job)
@@ -78,6 +85,8 @@ class JournalWriter:
                 threading.Thread(target=self._work, name=self._name, daemon=True).start()
 
         def abort(_: object) -> trio.lowlevel.Abort:
+            if shield:
+                return trio.lowlevel.Abort.FAILED
             job.abandoned = True
             with self._lock:
                 if not job.started:

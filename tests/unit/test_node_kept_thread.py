@@ -1,6 +1,7 @@
-"""The journal's writer thread: writes run off the event loop, one at a time, in the
-order asked; a caller that gives up is answered at once, and a write it gave up on
-runs only if it had already started."""
+"""A kept thread (the journal's writer, guests' forks and cgroups): jobs run off the
+event loop, one at a time, in the order asked; a caller that gives up is answered at
+once, and a job it gave up on runs only if it had already started; a shielded job
+always runs and its caller always gets what it made."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from node.machine.journal_writer import JournalWriter
+from node.machine.kept_thread import KeptThread
 
 WAIT = 5.0  # real-time bound for a thread to reach a gate
 
@@ -21,7 +22,7 @@ async def _wait(event: threading.Event) -> None:
 
 
 async def test_writes_run_in_one_kept_thread_in_the_order_asked() -> None:
-    writer = JournalWriter()
+    writer = KeptThread("journal writer")
     ran: list[tuple[int, int]] = []
 
     def write(n: int) -> int:
@@ -45,7 +46,7 @@ async def test_writes_run_in_one_kept_thread_in_the_order_asked() -> None:
 
 
 async def test_a_failed_write_raises_its_own_error_in_its_caller_only() -> None:
-    writer = JournalWriter()
+    writer = KeptThread("journal writer")
 
     def full_disk() -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -57,7 +58,7 @@ async def test_a_failed_write_raises_its_own_error_in_its_caller_only() -> None:
 
 
 async def test_a_caller_that_gives_up_before_its_write_started_never_has_it_run() -> None:
-    writer = JournalWriter()
+    writer = KeptThread("journal writer")
     gate, started = threading.Event(), threading.Event()
     ran: list[str] = []
 
@@ -79,7 +80,7 @@ async def test_a_caller_that_gives_up_before_its_write_started_never_has_it_run(
 
 
 async def test_a_caller_that_gives_up_mid_write_returns_at_once_and_the_next_write_waits() -> None:
-    writer = JournalWriter()
+    writer = KeptThread("journal writer")
     gate, started = threading.Event(), threading.Event()
     events: list[str] = []
 
@@ -104,7 +105,7 @@ async def test_a_caller_that_gives_up_mid_write_returns_at_once_and_the_next_wri
 
 
 async def test_the_thread_ends_when_idle_and_the_next_write_starts_it_again() -> None:
-    writer = JournalWriter(idle_exit=0.02, name="idle-writer-test")
+    writer = KeptThread("idle-writer-test", idle_exit=0.02)
 
     first = await writer.run(threading.get_ident)
     (thread,) = [t for t in threading.enumerate() if t.name == "idle-writer-test"]
@@ -114,8 +115,38 @@ async def test_the_thread_ends_when_idle_and_the_next_write_starts_it_again() ->
     assert writer.threads_started == 2 and first != threading.get_ident() != second
 
 
+async def test_a_shielded_job_runs_and_hands_back_what_it_made_to_a_cancelled_caller() -> None:
+    thread = KeptThread("shield-test", idle_exit=None)
+    gate, started = threading.Event(), threading.Event()
+    made: list[str] = []
+
+    def hold() -> None:
+        started.set()
+        gate.wait(WAIT)
+
+    def fork() -> str:
+        made.append("child")
+        return "child"
+
+    got: list[str] = []
+
+    async def caller() -> None:
+        got.append(await thread.run(fork, shield=True))
+        await trio.lowlevel.checkpoint()  # the cancel lands here, after the result
+        got.append("not reached")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(thread.run, hold)
+        await _wait(started)
+        nursery.start_soon(caller)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()  # while its job waits behind another, not started
+        gate.set()
+    assert made == ["child"] and got == ["child"]
+
+
 def test_a_write_that_ends_after_its_run_is_gone_does_not_stop_the_writer() -> None:
-    writer = JournalWriter()
+    writer = KeptThread("journal writer")
     gate, started, finished = threading.Event(), threading.Event(), threading.Event()
 
     def hung() -> None:
