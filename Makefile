@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PACKAGES := node capabilities supervisor api lanehost
+PACKAGES := lanehost capabilities machine supervisor api node
 
 .PHONY: run test lint typecheck pytest bench contracts clean system-run system-test
 

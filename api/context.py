@@ -9,7 +9,7 @@ from api.device_history import DeviceHistory
 from api.metrics import NodeMetrics
 from api.settings import HttpSettings
 from api.snapshot_cache import SnapshotCache
-from node.machine.readiness import Readiness
+from machine.readiness import Readiness
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.wire import NodeEvent

@@ -14,7 +14,7 @@ import collections
 
 import msgspec
 
-from node.machine.snapshot import DeviceSection, NodeSnapshot
+from machine.snapshot import DeviceSection, NodeSnapshot
 
 __all__ = ["HISTORY_SAMPLES", "DeviceHistory", "DeviceHistoryReply", "DeviceSample", "DeviceSeries"]
 

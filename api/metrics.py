@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from api.metrics_gpu import gpu_families
-from node.machine.snapshot import Amounts, NodeSnapshot
+from machine.snapshot import Amounts, NodeSnapshot
 from supervisor.wire import InvocationState
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics"]

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from node.machine.health import HealthState
-from node.machine.snapshot import DeviceSection, MigSection, NodeSnapshot
+from machine.health import HealthState
+from machine.snapshot import DeviceSection, MigSection, NodeSnapshot
 
 __all__ = ["gpu_families"]
 

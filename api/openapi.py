@@ -16,7 +16,7 @@ from api.errors import ErrorEnvelope
 from api.openapi_status import status_openapi
 from api.wire import DrainReply, HealthReply, IntrospectionRequest, NodeStatus, ReadyReply
 from capabilities import Introspection, KeySet
-from node.machine.snapshot import NodeSnapshot
+from machine.snapshot import NodeSnapshot
 from supervisor.lane_work import (
     BUFFER_ID_PATTERN,
     MAX_TRANSFER_BYTES,
@@ -64,7 +64,7 @@ TAGS = {
     "node": "The node's health, readiness, state, events, metrics and status page.",
     "docs": "This document and the reference page rendered from it.",
 }
-# operationId -> (tag, summary). A new operation needs an entry (tests/unit/test_openapi.py).
+# operationId -> (tag, summary). A new operation needs an entry (tests/unit/api/test_openapi.py).
 OPERATIONS = {
     "healthz": ("node", "Liveness: the process answers"),
     "readyz": ("node", "Readiness, with the reasons while not ready"),
@@ -127,7 +127,7 @@ def _responses(ok: int, body: dict[str, Any] | None, errors: tuple[int, ...]) ->
 
 def _summarize(paths: dict[str, Any]) -> None:
     """Give each operation its summary and tag from OPERATIONS (an operation written
-    with its own keeps them; one with neither fails tests/unit/test_openapi.py)."""
+    with its own keeps them; one with neither fails tests/unit/api/test_openapi.py)."""
     for item in paths.values():
         for method, operation in item.items():
             if method == "parameters" or operation["operationId"] not in OPERATIONS:

@@ -18,7 +18,7 @@ from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_superv
 from api.responses import json_response
 from api.unix_server import peer_of
 from capabilities import LaneOp, RefreshTooEarly, TokenRefusal, TokenRefused
-from node.machine.snapshot import rfc3339
+from machine.snapshot import rfc3339
 from supervisor.core import Supervisor
 from supervisor.lane_owner import LaneWorkError
 from supervisor.lane_work import (

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from node.machine.snapshot import NodeSnapshot
+from machine.snapshot import NodeSnapshot
 
 __all__ = ["SnapshotCache"]
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import msgspec
 
 from bench.harness import Finding, rate
-from node.machine.health import HealthTracker
-from node.machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from node.machine.lanes import Isolation, Requirement, build_lanes
-from node.machine.ledger import Ledger, ReservationRequest
-from node.machine.snapshot import build_snapshot
+from machine.health import HealthTracker
+from machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
+from machine.lanes import Isolation, Requirement, build_lanes
+from machine.ledger import Ledger, ReservationRequest
+from machine.snapshot import build_snapshot
 
 GiB = 1 << 30
 LANES = (1, 8, 64)

@@ -29,8 +29,8 @@ import trio.testing
 
 from bench.harness import Finding, median, percentile
 from capabilities import KeyRing, TokenService
-from node.machine import Machine
-from node.machine.lanes import Lane, Requirement
+from machine import Machine
+from machine.lanes import Lane, Requirement
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_host import lane_host_factory

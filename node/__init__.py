@@ -1,7 +1,7 @@
 """The application: the command line, flags, config, logging and the daemon wiring.
 
-The machine model lives in `node.machine`; only the application modules here
-import every layer and wire them together.
+The top floor: only the application modules here import every other package
+(`machine`, `capabilities`, `lanehost`, `supervisor`, `api`) and wire them together.
 """
 
 from node.config import Config, build_config

@@ -191,8 +191,8 @@ def _cmd_dev(inv: Invocation) -> int:
 
 
 def _cmd_snapshot(inv: Invocation) -> int:
-    from node.machine import snapshot_once
-    from node.machine.discovery import DiscoveryError
+    from machine import snapshot_once
+    from machine.discovery import DiscoveryError
 
     config = inv.config
     configure_logging(config.log_level, config.log_format)

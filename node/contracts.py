@@ -20,8 +20,8 @@ from api.wire import DrainReply, IntrospectionRequest, NodeStatus, WhoamiReply
 from capabilities import Claims, Introspection, KeySet
 from lanehost.protocol import Reply as LaneHostReply
 from lanehost.protocol import Request as LaneHostRequest
+from machine.snapshot import NodeSnapshot
 from node.config import Config
-from node.machine.snapshot import NodeSnapshot
 from supervisor.lane_work import LaneWorkReply, LaneWorkRequest, TokenReply
 from supervisor.wire import (
     BatchReply,

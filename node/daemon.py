@@ -32,16 +32,16 @@ from api.unix_server import serve_unix
 from capabilities import CapabilityError, KeyRing, TokenService
 from capabilities.push_signature import PushSigner, read_bearer_file
 from capabilities.securefile import SecretFileError
+from machine import Machine
+from machine.capacity_notes import capacity_notes
+from machine.cgroups import CgroupsUnavailable, system_cgroups
+from machine.discovery_sim import SimDeviceSource
+from machine.health import HealthTransition
+from machine.journal import JournalError
+from machine.readiness import Readiness
+from machine.snapshot import NodeSnapshot
 from node.config import Config, DeviceMode
 from node.guests import GuestSetup, GuestSetupError, open_guest_setup
-from node.machine import Machine
-from node.machine.capacity_notes import capacity_notes
-from node.machine.cgroups import CgroupsUnavailable, system_cgroups
-from node.machine.discovery_sim import SimDeviceSource
-from node.machine.health import HealthTransition
-from node.machine.journal import JournalError
-from node.machine.readiness import Readiness
-from node.machine.snapshot import NodeSnapshot
 from node.sdnotify import notify
 from node.signals import SignalWatcher, sole_error
 from node.statedir import StateDirError, prepare_state_dir

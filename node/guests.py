@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import trio
 
 from api.unix_server import bind_unix_socket
+from machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from node.config import Config
-from node.machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from supervisor.guests import GuestPolicy
 from supervisor.identity import UidPool, can_switch_users, parse_uid_range
 from supervisor.launch import plan

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pathlib
 
+from machine.discovery_sim import SimError, load_sim_spec
 from node.config import Config
 from node.flags import FlagError
-from node.machine.discovery_sim import SimError, load_sim_spec
 
 __all__ = ["check_option_files"]
 

@@ -9,9 +9,9 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from machine.lanes import Isolation, Requirement
 from node.config import parse_size
 from node.flags import FlagError
-from node.machine.lanes import Isolation, Requirement
 from supervisor.process import InvalidProcessRequest, validate_env
 from supervisor.wire import MAX_TIMEOUT_S, InvocationRequest, ProcessWork, Resources
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence, Sized
 from typing import Protocol
 
 from api.wire import NodeStatus
-from node.machine.snapshot import Amounts, NodeSnapshot
+from machine.snapshot import Amounts, NodeSnapshot
 from supervisor.wire import InvocationState, InvocationStatus
 
 __all__ = ["gpu_summary", "invocation_table", "status_text", "table"]

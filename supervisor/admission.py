@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from node.machine.ledger import RefusalReason, ReservationRefused
+from machine.ledger import RefusalReason, ReservationRefused
 from supervisor.builtins import BuiltinArgumentError, check_builtin
 from supervisor.process import InvalidProcessRequest, validate_argv, validate_env
 from supervisor.wire import INVOCATION_ID, BuiltinWork, InvocationRequest, ProcessWork

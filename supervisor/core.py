@@ -30,12 +30,12 @@ from capabilities import (
 )
 from capabilities import Isolation as TokenIsolation
 from capabilities.errors import CapabilityError, MintError, RevocationFull
-from node.machine import Machine
-from node.machine.health import HealthState, HealthTransition
-from node.machine.journal import JournalError
-from node.machine.lanes import Isolation, Lane, LaneKind, Requirement
-from node.machine.ledger import ReservationRefused, ReservationRequest
-from node.machine.model import JOURNAL_RETRY_INTERVAL
+from machine import Machine
+from machine.health import HealthState, HealthTransition
+from machine.journal import JournalError
+from machine.lanes import Isolation, Lane, LaneKind, Requirement
+from machine.ledger import ReservationRefused, ReservationRequest
+from machine.model import JOURNAL_RETRY_INTERVAL
 from supervisor.admission import AdmissionRefused, check_request, from_reservation_refusal
 from supervisor.events import EventHub
 from supervisor.guests import GuestPolicy

@@ -17,10 +17,10 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from node.machine.cgroups import Cgroups
-from node.machine.devnodes import lane_device_nodes
-from node.machine.inventory import Inventory
-from node.machine.lanes import Isolation, Lane
+from machine.cgroups import Cgroups
+from machine.devnodes import lane_device_nodes
+from machine.inventory import Inventory
+from machine.lanes import Isolation, Lane
 from supervisor.identity import UidPool
 from supervisor.process import InvalidProcessRequest, ProcessStuck
 from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec

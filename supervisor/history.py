@@ -2,7 +2,7 @@
 
 The journal keeps the newest `RETAIN_ENDED` (4,096) ended invocations that
 ended in the last `RETAIN_ENDED_SECONDS` (24 h, by wall clock), across
-restarts (`node/machine/journal.py`: fsynced, replayed on start, a corrupt
+restarts (`machine/journal.py`: fsynced, replayed on start, a corrupt
 journal stops start-up). This is that set decoded once, so listing it costs
 no decoding: seeded from the replay at start, then fed each ending the
 journal took. It keeps the same bounds, so it lists what `GET
@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from node.machine.journal import RETAIN_ENDED, RETAIN_ENDED_SECONDS, EndedRecord
+from machine.journal import RETAIN_ENDED, RETAIN_ENDED_SECONDS, EndedRecord
 from supervisor.remembered import recorded_status
 from supervisor.wire import InvocationStatus
 

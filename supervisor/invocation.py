@@ -6,8 +6,8 @@ import time
 
 import trio
 
-from node.machine.cgroups import CgroupUsage
-from node.machine.ledger import Reservation
+from machine.cgroups import CgroupUsage
+from machine.ledger import Reservation
 from supervisor.lifecycle import Ending, next_state
 from supervisor.logstore import InvocationLogs
 from supervisor.output import OutputRing

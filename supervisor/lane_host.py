@@ -59,7 +59,7 @@ from lanehost.protocol import (
     frame,
     frame_length,
 )
-from node.machine.lanes import Lane
+from machine.lanes import Lane
 from supervisor.identity import drop_capabilities
 from supervisor.process import DEVICE_ENV_NAMES, ENV_ALLOW_LIST
 from supervisor.spawn import popen

@@ -31,7 +31,7 @@ import msgspec
 import trio
 
 from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefused
-from node.machine.lanes import Lane
+from machine.lanes import Lane
 from supervisor.lane_host import LaneHostError, LaneHostFailed
 from supervisor.lane_queue import FairQueue, Full
 from supervisor.lane_work import (

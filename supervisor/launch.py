@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.machine.cgroups import InvocationCgroup
+from machine.cgroups import InvocationCgroup
 from supervisor.identity import become
 from supervisor.sandbox import SandboxSpec, bwrap_argv
 

@@ -8,7 +8,7 @@ KeyboardInterrupt - the whole process group is ended: SIGTERM, up to
 `kill_grace` seconds for it to empty, then SIGKILL. That cleanup runs shielded
 and with its own deadline, and then whatever ended the run propagates.
 
-Memory: a per-invocation cgroup (v1 or v2, `node.machine.cgroups`) when the host allows it;
+Memory: a per-invocation cgroup (v1 or v2, `machine.cgroups`) when the host allows it;
 otherwise RLIMIT_AS, but only for CPU-only work (CUDA reserves huge virtual
 address ranges, so an address-space limit would break GPU work); otherwise
 the limit is not enforced by the kernel and a warning is logged.
@@ -26,7 +26,7 @@ from typing import Literal
 
 import trio
 
-from node.machine.cgroups import (
+from machine.cgroups import (
     CGROUP_NAME_RE,
     CgroupError,
     CgroupLimits,
@@ -35,9 +35,9 @@ from node.machine.cgroups import (
     InvocationCgroup,
     system_cgroups,
 )
-from node.machine.kept_thread import KeptThread
-from node.machine.proc import process_start_ticks
-from node.machine.procgroup import terminate_group
+from machine.kept_thread import KeptThread
+from machine.proc import process_start_ticks
+from machine.procgroup import terminate_group
 from supervisor.launch import Launch, plan
 from supervisor.output import OutputRing, Sink, pump
 from supervisor.sandbox import SandboxSpec
@@ -290,7 +290,7 @@ def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[
 
 
 # -- ending a process group --------------------------------------------------
-# terminate_group (SIGTERM, grace, SIGKILL) lives in node.machine.procgroup, shared with
+# terminate_group (SIGTERM, grace, SIGKILL) lives in machine.procgroup, shared with
 # reconcile; it is re-exported here.
 
 

@@ -2,7 +2,7 @@
 
 The journal keeps, per ended invocation, a digest of its request and its final
 status (without the output text, which is not kept), for a bounded count and
-time (`node.machine.journal.RETAIN_ENDED`, `RETAIN_ENDED_SECONDS`). After a
+time (`machine.journal.RETAIN_ENDED`, `RETAIN_ENDED_SECONDS`). After a
 restart a resubmission with the same request answers that status; another
 request under the id is a conflict, as it is before a restart.
 """
@@ -15,10 +15,10 @@ import time
 
 import msgspec
 
-from node.machine.journal import EndedRecord
-from node.machine.lanes import Isolation, Requirement
-from node.machine.reservation import Reservation
-from node.machine.snapshot import rfc3339
+from machine.journal import EndedRecord
+from machine.lanes import Isolation, Requirement
+from machine.reservation import Reservation
+from machine.snapshot import rfc3339
 from supervisor.invocation import Invocation
 from supervisor.wire import (
     GrantedLane,

@@ -7,8 +7,8 @@ import logging
 
 import trio
 
-from node.machine import Machine
-from node.machine.lanes import LaneKind
+from machine import Machine
+from machine.lanes import LaneKind
 from supervisor.builtins import BUILTINS
 from supervisor.guests import GuestPolicy, GuestSession, guest_session
 from supervisor.invocation import Invocation

@@ -10,7 +10,7 @@ private /tmp; nothing of the daemon's state dir or of other guests' files.
 Devices: a `sandbox` guest gets no accelerator device node at all and its own
 network namespace (only loopback); it reaches the node through the node's
 Unix socket, bound at NODE_SOCKET. Other classes get exactly the device nodes
-of their grant (`node.machine.devnodes`), so what a guest can open is decided
+of their grant (`machine.devnodes`), so what a guest can open is decided
 by what exists in its /dev, not by an environment variable.
 
 Tokens: a host file readable only by the guest's uid (0400 in a 0700 folder),

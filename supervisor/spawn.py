@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from node.machine.kept_thread import KeptThread
+from machine.kept_thread import KeptThread
 
 __all__ = ["Child", "popen", "spawn"]
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from node.machine.lanes import Isolation, Requirement
+from machine.lanes import Isolation, Requirement
 
 __all__ = [
     "INVOCATION_ID",

@@ -19,11 +19,11 @@ import msgspec
 import trio
 
 from api.auth import load_auth
+from machine.snapshot import NodeSnapshot
 from node.cli import COMMANDS
 from node.config import Config, build_config
 from node.daemon import Daemon
 from node.flags import coerce, load_flag_table, parse_argv
-from node.machine.snapshot import NodeSnapshot
 from supervisor.wire import InvocationState, InvocationStatus
 from tests.helpers import guest_run_dir
 

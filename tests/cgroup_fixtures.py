@@ -9,7 +9,7 @@ import sys
 import trio
 import trio.lowlevel
 
-from node.machine.cgroups import InvocationCgroup
+from machine.cgroups import InvocationCgroup
 
 # Leaves its process group and session, prints the pid that did, and lingers.
 SETSID_GRANDCHILD = (

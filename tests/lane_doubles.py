@@ -38,7 +38,7 @@ from lanehost.protocol import (
     WriteReply,
 )
 from lanehost.state import LaneState
-from node.machine.lanes import Lane
+from machine.lanes import Lane
 from supervisor.lane_host import LaneHostError, LaneHostFailed
 
 __all__ = ["InProcessHost", "InProcessHosts"]

@@ -17,11 +17,11 @@ import trio
 import trio.lowlevel
 
 from capabilities import KeyRing, LaneOp, TokenRefusal, TokenRefused, TokenService
-from node.machine import Machine
-from node.machine.health import HealthTransition
-from node.machine.journal import Journal, JournalError
-from node.machine.lanes import Isolation, Lane, LaneKind, Requirement
-from node.machine.ledger import CapacityView
+from machine import Machine
+from machine.health import HealthTransition
+from machine.journal import Journal, JournalError
+from machine.lanes import Isolation, Lane, LaneKind, Requirement
+from machine.ledger import CapacityView
 from supervisor.core import Supervisor
 from supervisor.events import Dropped, EventHub
 from supervisor.lane_work import LaneDevice

@@ -20,8 +20,8 @@ import pytest
 import trio
 
 import node.daemon
-from node.machine.journal import JOURNAL_FILENAME, Journal
-from node.machine.monitor import probe_once
+from machine.journal import JOURNAL_FILENAME, Journal
+from machine.monitor import probe_once
 from tests.adversarial.fixtures import (
     GiB,
     Node,

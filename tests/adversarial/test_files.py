@@ -15,7 +15,7 @@ import pytest
 
 from api.auth import AuthError, load_auth, load_or_create_auth
 from capabilities import KeyFileError, KeyFileProblem, KeyRing
-from node.machine.journal import JOURNAL_FILENAME, Journal, JournalUnsafe, UnsafeReason
+from machine.journal import JOURNAL_FILENAME, Journal, JournalUnsafe, UnsafeReason
 from tests.helpers import clean_env, node_command
 
 pytestmark = pytest.mark.hostile("files")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 
-from node.machine.cgroups import Cgroups, system_cgroups
+from machine.cgroups import Cgroups, system_cgroups
 from supervisor import launch
 from supervisor.output import OutputRing
 from supervisor.process import ProcessSpec, build_environment, run_process

@@ -11,7 +11,7 @@ import time
 import httpx
 import trio
 
-from node.machine.cgroups import Cgroups, system_cgroups
+from machine.cgroups import Cgroups, system_cgroups
 from tests.adversarial.fixtures import subprocess_node
 from tests.confinement.guests import (
     alive,

@@ -13,8 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
-from node.machine.cgroups import CgroupFs
-from node.machine.cgroups.common import write_control
+from machine.cgroups import CgroupFs
+from machine.cgroups.common import write_control
 
 CONTROL_FILES = {
     "cgroup.procs": "",

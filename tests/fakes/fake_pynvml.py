@@ -1,4 +1,4 @@
-"""A fake `pynvml` module: the subset node.machine.discovery_nvml uses, driven by plain data.
+"""A fake `pynvml` module: the subset machine.discovery_nvml uses, driven by plain data.
 
 Tests build `FakeNvml([FakeGpu(...), ...])` and pass it as `pynvml_module`.
 A GPU can be marked lost (every call raises NVMLError_GpuIsLost), have fields

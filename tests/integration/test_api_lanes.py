@@ -12,7 +12,7 @@ import trio
 
 import node.daemon
 from api.errors import ErrorEnvelope
-from node.machine.lanes import LaneKind
+from machine.lanes import LaneKind
 from supervisor.lane_work import LaneWorkReply, TokenReply
 from tests.api_fixtures import (
     RunningDaemon,

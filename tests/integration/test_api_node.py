@@ -11,8 +11,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.errors import ErrorEnvelope
+from machine.snapshot import NodeSnapshot
 from node.daemon import EVENT_SUBSCRIBERS
-from node.machine.snapshot import NodeSnapshot
 from supervisor.wire import InvocationState
 from tests.api_fixtures import (
     SSE_CONNECTED,

@@ -14,7 +14,7 @@ import msgspec
 import psutil
 import pytest
 
-from node.machine.snapshot import NodeSnapshot
+from machine.snapshot import NodeSnapshot
 from tests.helpers import (
     clean_env,
     node_command,

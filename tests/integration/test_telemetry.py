@@ -15,8 +15,8 @@ import trio
 import trio.testing
 
 from api.telemetry import TelemetryPusher
+from machine.snapshot import NodeSnapshot
 from node.daemon import Daemon
-from node.machine.snapshot import NodeSnapshot
 from tests.api_fixtures import (
     START_SECONDS,
     STOP_SECONDS,

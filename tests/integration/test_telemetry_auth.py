@@ -14,8 +14,8 @@ import trio
 
 from capabilities import KeyRing
 from capabilities.push_signature import SIGNATURE_HEADER, PushRefusal, PushSigner
+from machine.snapshot import NodeSnapshot
 from node.daemon import Daemon, StartupError
-from node.machine.snapshot import NodeSnapshot
 from tests.api_fixtures import daemon_config, running_daemon
 from tests.scheduler_double import BAD_BEARER, scheduler
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.machine.lanes import Isolation, Requirement
+from machine.lanes import Isolation, Requirement
 from supervisor.listing import Listed, ListQuery, decode_cursor, page
 from supervisor.wire import InvocationState, InvocationStatus
 

@@ -26,9 +26,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from node.machine.health import HealthState
-from node.machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from node.machine.journal import (
+from machine.health import HealthState
+from machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
+from machine.journal import (
     JOURNAL_FILENAME,
     EndedRecord,
     Journal,
@@ -37,8 +37,8 @@ from node.machine.journal import (
     ReserveRecord,
     frame,
 )
-from node.machine.lanes import Isolation, Requirement, build_lanes
-from node.machine.ledger import (
+from machine.lanes import Isolation, Requirement, build_lanes
+from machine.ledger import (
     Ledger,
     RefusalReason,
     Reservation,

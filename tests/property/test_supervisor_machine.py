@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from capabilities import LaneOp, TokenRefusal, TokenRefused
-from node.machine.health import HealthState, Signal
-from node.machine.lanes import Isolation, Requirement
+from machine.health import HealthState, Signal
+from machine.lanes import Isolation, Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import Supervisor
 from supervisor.lane_owner import LaneWorkError

@@ -9,20 +9,27 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("node", "capabilities", "supervisor", "api", "lanehost")
-# The layers, bottom up, and what each may import of the others (docs/architecture.md).
-# "node" is the application (CLI, flags, config, daemon wiring): it may import every
-# layer and no layer may import it.
-# "lanehost" is the lane host process: it imports nothing of the daemon, and only the
-# supervisor (its client) and the application (its contracts) import it.
-LAYERS = ("lanehost", "node.machine", "capabilities", "supervisor", "api", "node")
+# The floors, bottom up (docs/architecture.md): each top-level package is on one floor,
+# and a module imports only its own package and packages of the floors below it.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    # The bottom floor: three packages that import nothing of each other. "lanehost" is
+    # the lane host process, "capabilities" the tokens, "machine" the machine model.
+    ("lanehost", "capabilities", "machine"),
+    ("supervisor",),
+    ("api",),
+    # The application (CLI, flags, config, daemon wiring): it may import every floor.
+    ("node",),
+)
+PACKAGES = tuple(package for floor in FLOORS for package in floor)
+FLOOR_OF = {package: level for level, floor in enumerate(FLOORS) for package in floor}
+# What each package may import of the others: only lower floors, and not all of them.
 ALLOWED = {
     "lanehost": set(),
-    "node.machine": set(),
+    "machine": set(),
     "capabilities": set(),
-    "supervisor": {"lanehost", "node.machine", "capabilities"},
-    "api": {"node.machine", "capabilities", "supervisor"},
-    "node": {"lanehost", "node.machine", "capabilities", "supervisor", "api"},
+    "supervisor": {"lanehost", "machine", "capabilities"},
+    "api": {"machine", "capabilities", "supervisor"},
+    "node": {"lanehost", "machine", "capabilities", "supervisor", "api"},
 }
 # The modules of the project, by dotted name, found from the files in the checkout.
 MODULES = {
@@ -33,8 +40,6 @@ MODULES = {
 
 
 def layer_of(module: str) -> str | None:
-    if module == "node.machine" or module.startswith("node.machine."):
-        return "node.machine"
     top = module.split(".")[0]
     return top if top in PACKAGES else None
 
@@ -61,12 +66,21 @@ def _imports(module: str) -> set[str]:
 GRAPH = {module: _imports(module) for module in MODULES}
 
 
-def test_the_machine_model_is_its_own_subpackage() -> None:
-    assert (ROOT / "node" / "machine" / "__init__.py").exists()
-    assert {layer_of(m) for m in MODULES} == set(LAYERS)
+def test_the_top_level_folders_are_the_floors() -> None:
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
+    assert packages == set(PACKAGES)
+    assert not (ROOT / "node" / "machine").exists()
+    assert {layer_of(m) for m in MODULES} == set(PACKAGES)
 
 
-@pytest.mark.parametrize("layer", LAYERS)
+def test_each_package_may_import_only_floors_below_its_own() -> None:
+    for package, allowed in ALLOWED.items():
+        higher = {name for name in allowed if FLOOR_OF[name] >= FLOOR_OF[package]}
+        assert not higher, f"{package} may import {sorted(higher)} on its floor or above"
+    assert ALLOWED["node"] == set(PACKAGES) - {"node"}
+
+
+@pytest.mark.parametrize("layer", PACKAGES)
 def test_imports_point_one_way(layer: str) -> None:
     for module, imported in GRAPH.items():
         if layer_of(module) != layer:
@@ -109,7 +123,7 @@ def test_the_cycle_check_sees_a_cycle() -> None:
 
 PUBLIC_NAMES: dict[str, set[str]] = {
     "node": {"Config", "FlagError", "build_config"},
-    "node.machine": {
+    "machine": {
         "Ledger",
         "Machine",
         "NodeSnapshot",

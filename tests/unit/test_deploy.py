@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from machine.cgroups.v1 import BASE_DEVICES
 from node.cli import COMMANDS
 from node.config import Config, DeviceMode, build_config
 from node.flags import coerce, load_flag_table, parse_argv
-from node.machine.cgroups.v1 import BASE_DEVICES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

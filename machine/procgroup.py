@@ -1,0 +1,178 @@
+"""Ending process groups: SIGTERM, a grace period for them to empty, then SIGKILL.
+
+Shared by the supervisor (which ends the groups it started) and by reconcile
+after a restart (which ends the groups a dead daemon left behind). "Empty"
+means no member that is not a zombie: a zombie holds no resources, and an
+orphaned one is reaped only when init gets to it (lazily by some container
+inits, never by a daemon running as PID 1 without one).
+
+Several groups are ended together: all get SIGTERM at once and share one
+grace period, so N stubborn groups take one grace, not N.
+
+`signal_group` refuses a group id of 1 or less and the daemon's own group:
+kill(-1) reaches every process, kill(0) the daemon's own group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable, Collection
+from typing import Protocol
+
+import trio
+
+from machine.proc import ProcStat, iter_stats
+
+__all__ = [
+    "KILL_WAIT_SECONDS",
+    "POLL_SECONDS",
+    "Leader",
+    "group_has_live_member",
+    "group_members",
+    "live_groups",
+    "signal_group",
+    "terminate_group",
+    "terminate_groups",
+    "wait_group_gone",
+    "wait_groups_gone",
+]
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.05
+# After SIGKILL: how long to wait for the kernel to tear the group down.
+KILL_WAIT_SECONDS = 3.0
+
+
+def signal_group(pgid: int, signum: int) -> bool:
+    """Send `signum` to the group; False if the group no longer exists.
+
+    Raises ValueError for a group id that is not a process group we could have
+    started: <= 1 (kill(-1) is every process, killpg(0) our own group) or ours.
+    """
+    if pgid <= 1 or pgid == os.getpgrp():
+        raise ValueError(f"refusing to signal process group {pgid}")
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def live_groups(pgids: Collection[int]) -> set[int]:
+    """Those of `pgids` that still have a live (not zombie) member.
+
+    kill(-pgid, 0) alone counts zombies, so /proc is scanned as well, once for
+    all of them. When /proc cannot be read every group counts as alive.
+    """
+    existing = {pgid for pgid in pgids if signal_group(pgid, 0)}
+    if not existing:
+        return set()
+    stats = iter_stats()
+    if stats is None:
+        return existing
+    return {stat.pgrp for stat in stats if stat.alive and stat.pgrp in existing}
+
+
+def group_members(pgid: int) -> list[ProcStat]:
+    """The group's live (not zombie) members; [] when it has none or /proc is unreadable."""
+    if not signal_group(pgid, 0):
+        return []
+    stats = iter_stats()
+    return [] if stats is None else [s for s in stats if s.alive and s.pgrp == pgid]
+
+
+def group_has_live_member(pgid: int) -> bool:
+    """True while a process of the group exists that is not a zombie."""
+    return bool(live_groups((pgid,)))
+
+
+async def wait_groups_gone(pgids: Collection[int], seconds: float) -> set[int]:
+    """Wait up to `seconds` for every group to empty; returns those still alive."""
+    left = live_groups(pgids)
+    with trio.move_on_after(seconds):
+        # The kernel offers no event for "group empty" (a pidfd covers one process).
+        while left:
+            await trio.sleep(POLL_SECONDS)
+            left = live_groups(left)
+    return left
+
+
+class Leader(Protocol):
+    """Our own child leading the group (trio.Process, or the supervisor's own)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def wait_group_gone(pgid: int, seconds: float, leader: Leader | None = None) -> bool:
+    """Wait up to `seconds` for the group to empty; `leader`, our own child, is reaped."""
+    deadline = trio.current_time() + seconds
+    if leader is not None:
+        # Our own child stays a zombie (still a group member) until reaped.
+        with trio.move_on_at(deadline):
+            await leader.wait()
+        if leader.returncode is None:
+            return False
+    return not await wait_groups_gone((pgid,), max(0.0, deadline - trio.current_time()))
+
+
+async def terminate_group(
+    pgid: int,
+    grace: float,
+    *,
+    leader: Leader | None = None,
+    kill_wait: float = KILL_WAIT_SECONDS,
+) -> bool:
+    """SIGTERM the process group, wait up to `grace` for it to empty, then SIGKILL.
+
+    `leader`, when the group leader is our own child, is reaped along the way.
+    Returns True once the group is empty, False if it survived SIGKILL for
+    `kill_wait` seconds (logged; like Slurm's "kill task failed", the caller
+    should treat what it held as suspect). Callers on a cancellation path run
+    this under a shielded scope with a deadline.
+    """
+    if not signal_group(pgid, signal.SIGTERM) and leader is None:
+        return True
+    if await wait_group_gone(pgid, grace, leader):
+        return True
+    log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
+    signal_group(pgid, signal.SIGKILL)
+    if await wait_group_gone(pgid, kill_wait, leader):
+        return True
+    log.error("process group %d survived SIGKILL", pgid)
+    return False
+
+
+async def terminate_groups(
+    pgids: Collection[int],
+    grace: float,
+    *,
+    kill_wait: float = KILL_WAIT_SECONDS,
+    still_ours: Callable[[int], bool],
+) -> set[int]:
+    """End several groups at once: SIGTERM to all, one `grace` for all, then SIGKILL.
+
+    `still_ours(pgid)` is asked right before SIGKILL; False means the group id
+    no longer names the group meant (it emptied and the id was reused), so
+    nothing more is sent to it. Returns the groups still alive `kill_wait`
+    seconds after SIGKILL (each logged). The whole takes at most about
+    grace + kill_wait, however many groups there are.
+    """
+    signalled = {pgid for pgid in pgids if signal_group(pgid, signal.SIGTERM)}
+    left = await wait_groups_gone(signalled, grace)
+    changed = {pgid for pgid in left if not still_ours(pgid)}
+    for pgid in sorted(changed):
+        log.warning("process group %d changed hands during its grace period; left alone", pgid)
+    left -= changed
+    for pgid in sorted(left):
+        log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
+        signal_group(pgid, signal.SIGKILL)
+    survivors = await wait_groups_gone(left, kill_wait)
+    for pgid in sorted(survivors):
+        log.error("process group %d survived SIGKILL", pgid)
+    return survivors

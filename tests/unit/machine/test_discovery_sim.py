@@ -1,0 +1,136 @@
+"""The simulated backend: the built-in workstation and a fault timeline under MockClock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from machine.discovery import DiscoveryError, discover
+from machine.discovery_sim import SimError, load_sim_spec, parse_size
+from machine.health import HealthState, HealthTracker, HealthTransition
+from machine.lanes import LaneKind, build_lanes
+from machine.monitor import monitor_devices
+
+GiB = 1 << 30
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "sim-workstation.toml"
+G1 = "GPU-5e1d0a3c-0000-4000-8000-5157a0000001"
+G2 = "GPU-5e1d0a3c-0000-4000-8000-5157a0000002"
+
+
+async def test_builtin_workstation() -> None:
+    inv = await discover("sim", sim_file=None)
+    assert inv.backend == "sim"
+    assert inv.cpu.logical_cores == 16 and inv.cpu.capacity_millis == 16000
+    assert inv.memory.total_bytes == 64 * GiB
+    assert [g.memory_total_bytes for g in inv.gpus] == [24 * GiB, 24 * GiB]
+    assert [g.mig_enabled for g in inv.gpus] == [False, True]
+    assert len(inv.gpus[1].mig_instances) == 3
+    kinds = [lane.kind for lane in build_lanes(inv)]
+    assert kinds == [LaneKind.CPU, LaneKind.GPU, LaneKind.MIG, LaneKind.MIG, LaneKind.MIG]
+    assert inv.source is not None
+    await inv.source.aclose()
+
+
+def test_example_file_loads() -> None:
+    spec = load_sim_spec(EXAMPLE)
+    assert len(spec.faults) >= 5
+    assert {f.kind.value for f in spec.faults} >= {"xid", "lost", "recovered", "reset"}
+
+
+def test_bad_sim_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[gpus]]\nuuid = "GPU-x"\nname = "n"\nmemory = "1GiB"\ncolour = "red"\n')
+    with pytest.raises(SimError, match="invalid sim file"):
+        load_sim_spec(bad)
+    bad.write_text('[[faults]]\nat = 1.0\ngpu = "GPU-nope"\nkind = "lost"\n')
+    with pytest.raises(SimError, match="unknown gpu"):
+        load_sim_spec(bad)
+    with pytest.raises(SimError, match="cannot read"):
+        load_sim_spec(tmp_path / "missing.toml")
+    assert parse_size("24GiB") == 24 * GiB and parse_size(5) == 5
+    with pytest.raises(SimError):
+        parse_size("lots")
+
+
+async def test_discover_rejects_unknown_mode_and_bad_file(tmp_path: Path) -> None:
+    with pytest.raises(DiscoveryError, match="unknown devices mode"):
+        await discover("cuda")
+    with pytest.raises(DiscoveryError):
+        await discover("sim", sim_file=tmp_path / "missing.toml")
+
+
+async def test_timeline_drives_health_with_hysteresis(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    events: list[HealthTransition] = []
+    tracker = HealthTracker(recovery_probes=3, on_transition=events.append)
+    inv = await discover("sim", sim_file=EXAMPLE)
+    start = trio.current_time()
+    assert inv.source is not None
+    for gpu in inv.gpus:
+        tracker.register(gpu.uuid, at=0)
+    seen: dict[float, dict[str, HealthState]] = {}
+
+    async def probe_at(t: float) -> None:
+        await trio.sleep_until(start + t)
+        for probe in await inv.source.probe():  # type: ignore[union-attr]
+            tracker.observe(probe, at=t)
+        seen[t] = {g: tracker.state(g) for g in (G1, G2)}
+
+    await probe_at(31)
+    assert seen[31][G1] is HealthState.SUSPECT  # xid 13: application, not fatal
+    await probe_at(61)
+    assert seen[61][G1] is HealthState.UNHEALTHY  # xid 48
+    for t in range(62, 90):  # good readings do not heal a fatal XID
+        await probe_at(t)
+    assert seen[89][G1] is HealthState.UNHEALTHY
+    await probe_at(91)  # reset at 90: unknown, and the first good probe
+    assert seen[91][G1] is HealthState.UNKNOWN
+    await probe_at(95)
+    assert seen[95][G1] is HealthState.UNKNOWN
+    await probe_at(100)
+    assert seen[100][G1] is HealthState.HEALTHY
+    await probe_at(121)
+    assert seen[121][G2] is HealthState.UNHEALTHY  # over temperature
+    await probe_at(151)
+    assert seen[151][G2] is HealthState.LOST
+    for t in (181, 182, 183, 184):
+        await probe_at(t)
+    assert seen[184][G2] is HealthState.LOST  # recovered, but not yet rediscovered
+    assert G2 in await inv.source.rediscover()
+    tracker.rediscovered(G2, at=185)
+    assert tracker.state(G2) is HealthState.UNKNOWN
+    for t in (186, 187, 188):
+        await probe_at(t)
+    assert seen[188][G2] is HealthState.HEALTHY
+    await probe_at(241)
+    assert seen[241][G1] is HealthState.UNHEALTHY  # 2 uncorrected ECC errors
+    assert [(e.device_id, e.to_state) for e in events] == [
+        (G1, HealthState.SUSPECT),
+        (G1, HealthState.UNHEALTHY),
+        (G1, HealthState.UNKNOWN),
+        (G1, HealthState.HEALTHY),
+        (G2, HealthState.UNHEALTHY),
+        (G2, HealthState.LOST),
+        (G2, HealthState.UNKNOWN),
+        (G2, HealthState.HEALTHY),
+        (G1, HealthState.UNHEALTHY),
+    ]
+    await inv.source.aclose()
+
+
+async def test_monitor_loop_rediscovers(autojump_clock: trio.testing.MockClock) -> None:
+    events: list[HealthTransition] = []
+    tracker = HealthTracker(recovery_probes=2, on_transition=events.append)
+    inv = await discover("sim", sim_file=EXAMPLE)
+    assert inv.source is not None
+    for gpu in inv.gpus:
+        tracker.register(gpu.uuid)
+    with trio.move_on_after(200):
+        await monitor_devices(inv.source, tracker, interval=1.0)
+    assert (G2, HealthState.LOST) in [(e.device_id, e.to_state) for e in events]
+    assert tracker.state(G2) is HealthState.HEALTHY
+    await inv.source.aclose()
