@@ -15,7 +15,7 @@ from supervisor.builtins import BuiltinArgumentError, check_builtin
 from supervisor.process import InvalidProcessRequest, validate_argv, validate_env
 from supervisor.wire import INVOCATION_ID, BuiltinWork, InvocationRequest, ProcessWork
 
-__all__ = ["AdmissionRefused", "check_request", "from_reservation_refusal"]
+__all__ = ["AdmissionRefused", "check_request", "from_reservation_refusal", "id_conflict"]
 
 # Capacity that may free up soon is a conflict with the present, not a bad request.
 _CONFLICTS = {
@@ -79,4 +79,10 @@ def from_reservation_refusal(refusal: ReservationRefused) -> AdmissionRefused:
         refusal.reason.value,
         f"reservation refused: {refusal.reason.value}",
         refusal.details,
+    )
+
+
+def id_conflict(invocation_id: str) -> AdmissionRefused:
+    return AdmissionRefused(
+        409, "id_conflict", f"invocation {invocation_id} exists with a different request"
     )

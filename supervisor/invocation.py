@@ -85,6 +85,12 @@ class Invocation:
                 self._admission = trio.Event()
             await self._admission.wait()
 
+    def cancel(self, reason: str) -> None:
+        """Cancel its scope; the first reason asked for is the one it ends with."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+        self.scope.cancel()
+
     def advance(self, ending: Ending, *, at: str | None = None) -> InvocationState:
         self.state = next_state(self.state, ending)
         if ending is Ending.start:

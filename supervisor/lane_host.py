@@ -10,19 +10,15 @@ code; that changed nothing and the host stays in service.
 
 The host never outlives the daemon: it leads its own process group, which
 `aclose` and every failure kill, and it is started with PR_SET_PDEATHSIG =
-SIGKILL, so a daemon killed with SIGKILL takes its hosts with it.
+SIGKILL, so a daemon killed with SIGKILL takes its hosts with it
+(`supervisor.lane_host_process`; the frames travel by `supervisor.lane_host_pipes`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import fcntl
 import logging
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NoReturn, TypeVar
 
@@ -30,14 +26,12 @@ import msgspec
 import trio
 
 from lanehost.protocol import (
-    HEADER,
     PROTOCOL_VERSION,
     Alloc,
     AllocReply,
     EndOfStream,
     ErrorReply,
     FrameError,
-    FrameReader,
     Free,
     FreeAll,
     FreeAllReply,
@@ -55,14 +49,18 @@ from lanehost.protocol import (
     StatsReply,
     Write,
     WriteReply,
-    decode_reply,
     frame,
-    frame_length,
 )
 from machine.lanes import Lane
-from supervisor.identity import drop_capabilities
-from supervisor.process import DEVICE_ENV_NAMES, ENV_ALLOW_LIST
-from supervisor.spawn import popen
+from supervisor.lane_host_errors import FailureReason, LaneHostError, LaneHostFailed
+from supervisor.lane_host_pipes import HostPipes
+from supervisor.lane_host_process import (
+    DEFAULT_COMMAND,
+    REAP_SECONDS,
+    HostProcess,
+    host_environment,
+    start_host,
+)
 
 __all__ = [
     "DEFAULT_COMMAND",
@@ -70,99 +68,11 @@ __all__ = [
     "LaneHost",
     "LaneHostError",
     "LaneHostFailed",
+    "host_environment",
     "lane_host_factory",
 ]
 
 log = logging.getLogger(__name__)
-
-# -P: the daemon's working directory is not put on sys.path, so a planted
-# lanehost/ or numpy.py there is never imported into the trusted host.
-DEFAULT_COMMAND: tuple[str, ...] = (sys.executable, "-P", "-m", "lanehost")
-
-FailureReason = Literal["start_failed", "version", "crashed", "protocol", "timeout", "closed"]
-
-_PIPE_BYTES = 1 << 20  # a bigger pipe: fewer wake-ups per megabyte moved
-_REAP_SECONDS = 5.0  # after SIGKILL: how long the process may take to be gone
-_PR_SET_PDEATHSIG = 1
-
-
-class LaneHostFailed(Exception):
-    """The host is gone or cannot be trusted any more, and has been killed."""
-
-    def __init__(self, lane_id: str, reason: FailureReason, message: str) -> None:
-        super().__init__(f"lane host {lane_id}: {reason}: {message}")
-        self.lane_id = lane_id
-        self.reason: FailureReason = reason
-        self.message = message
-
-
-class LaneHostError(Exception):
-    """The host refused one request with a protocol error code; nothing changed."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-def _libc_prctl() -> Callable[..., int] | None:
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-_prctl = _libc_prctl()
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    # Runs in the forked child before exec, with other threads' locks possibly
-    # held: syscalls only - no imports, logging or allocation-heavy work.
-    def setup() -> None:
-        # Trusted, yet it needs none of the capabilities a non-root daemon holds (the
-        # unit's CAP_SETUID, CAP_KILL...). Root would get them all back at exec, which
-        # also clears the parent-death signal. First: a change of credentials clears it.
-        if os.geteuid() != 0:
-            drop_capabilities()
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the daemon died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return setup
-
-
-def _widen_pipe(fd: int) -> None:
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-    except OSError:
-        pass  # over /proc/sys/fs/pipe-max-size: the default size still works
-
-
-def host_environment(
-    visible_devices: Sequence[str], extra: Mapping[str, str], parent: Mapping[str, str]
-) -> dict[str, str]:
-    """Allow-listed daemon variables and the daemon's module path < `extra` < the
-    lane's devices ("" = none)."""
-    env = {name: parent[name] for name in ENV_ALLOW_LIST if name in parent}
-    module_path = _absolute_entries(parent.get("PYTHONPATH", ""))
-    if module_path:
-        # The trusted host imports from where the daemon does (a daemon found only
-        # through PYTHONPATH would start hosts that exit with "No module named").
-        env["PYTHONPATH"] = module_path
-    env.update(extra)
-    for name in DEVICE_ENV_NAMES:
-        env[name] = ",".join(visible_devices)
-    return env
-
-
-def _absolute_entries(path: str) -> str:
-    # An empty or relative entry names the working directory, which `-P` keeps out.
-    return os.pathsep.join(p for p in path.split(os.pathsep) if os.path.isabs(p))
-
 
 _R = TypeVar("_R", bound=Reply)
 
@@ -199,11 +109,7 @@ class LaneHost:
         self._op_timeout = op_timeout
         self._close_timeout = close_timeout
         self._lock = trio.Lock()
-        self._popen: subprocess.Popen[bytes] | None = None
-        self._pidfd: int | None = None
-        self._to_host: int | None = None
-        self._from_host: int | None = None
-        self._reader: FrameReader | None = None
+        self._process: HostProcess | None = None
         self._ids = 0
         self._hello: HelloReply | None = None
         self._closed = False
@@ -219,11 +125,11 @@ class LaneHost:
 
     @property
     def pid(self) -> int | None:
-        return None if self._popen is None else self._popen.pid
+        return None if self._process is None else self._process.popen.pid
 
     @property
     def running(self) -> bool:
-        return self._popen is not None and self._hello is not None
+        return self._process is not None and self._hello is not None
 
     async def __aenter__(self) -> LaneHost:
         await self.start()
@@ -235,7 +141,7 @@ class LaneHost:
     async def start(self) -> HelloReply:
         """Start the host and greet it within `start_timeout`; LaneHostFailed if it cannot."""
         async with self._lock:
-            if self._popen is not None or self._closed:
+            if self._process is not None or self._closed:
                 raise RuntimeError("a LaneHost starts once")
             await self._spawn()
             hello = Hello(id=self._next_id(), version=PROTOCOL_VERSION)
@@ -258,39 +164,13 @@ class LaneHost:
             return reply
 
     async def _spawn(self) -> None:
-        # On the daemon's fork thread, as guests are (supervisor/spawn.py):
-        # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends,
-        # and that thread lives as long as the daemon.
-        child_in, to_host = os.pipe()
-        from_host, child_out = os.pipe()
         try:
-            self._popen = await popen(
-                self._argv,
-                stdin=child_in,
-                stdout=child_out,
-                env=self._env,
-                start_new_session=True,  # its own process group, away from terminal signals
-                preexec_fn=_die_with_parent(os.getpid()),
-            )
+            self._process = await start_host(self.lane_id, self._argv, self._env)
         except BaseException as exc:
-            os.close(to_host)
-            os.close(from_host)
             self._closed = True
             if isinstance(exc, (OSError, subprocess.SubprocessError)):
                 raise LaneHostFailed(self.lane_id, "start_failed", repr(exc)) from exc
             raise
-        finally:
-            os.close(child_in)
-            os.close(child_out)
-        for fd in (to_host, from_host):
-            _widen_pipe(fd)
-            os.set_blocking(fd, False)
-        self._to_host, self._from_host = to_host, from_host
-        self._reader = FrameReader(from_host)
-        try:
-            self._pidfd = os.pidfd_open(self._popen.pid)
-        except OSError:
-            self._pidfd = None  # old kernel: exits are polled
 
     async def aclose(self) -> None:
         """End the host: EOF first, SIGKILL to its group after `close_timeout`. Shielded."""
@@ -298,7 +178,7 @@ class LaneHost:
             self._closed = True
             if self._lock.locked():
                 self._kill_group()  # a request in flight ends with "closed" at once
-            with trio.move_on_after(self._close_timeout + _REAP_SECONDS + 1):
+            with trio.move_on_after(self._close_timeout + REAP_SECONDS + 1):
                 async with self._lock:
                     await self._end(graceful=True)
 
@@ -384,9 +264,10 @@ class LaneHost:
             # A bare scope rather than fail_after, whose context-manager layers
             # cost a fifth of a noop's round trip.
             with trio.CancelScope(deadline=trio.current_time() + seconds) as scope:
+                pipes = self._pipes()
                 for data in parts:
-                    await self._send(data)
-                reply = await self._receive()
+                    await pipes.send(data)
+                reply = await pipes.receive()
             if scope.cancelled_caught:
                 raise trio.TooSlowError
             done = True
@@ -395,7 +276,7 @@ class LaneHost:
         except (EndOfStream, OSError) as exc:
             with trio.CancelScope(shield=True):
                 await self._end(graceful=True)  # it is on its way out: see how it ended
-            status = None if self._popen is None else self._popen.returncode
+            status = None if self._process is None else self._process.popen.returncode
             reason: FailureReason = "closed" if self._closed else "crashed"
             if isinstance(request, Hello):
                 reason = "start_failed"
@@ -416,39 +297,10 @@ class LaneHost:
             await self._fail("protocol", f"{type(reply).__name__} {reply.id} for {request.id}")
         return reply
 
-    async def _send(self, data: bytes | memoryview) -> None:
-        """Write it all; a pipe with room takes a small frame in one write, no wait."""
-        fd = self._to_host
-        assert fd is not None
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(fd)
-
-    async def _read_exact(self, n: int) -> bytearray | memoryview:
-        reader = self._reader
-        assert reader is not None
-        out, got = reader.start(n)
-        while got < n:
-            try:
-                got = reader.read_into(out, got)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(reader.fd)
-        return out
-
-    async def _receive(self) -> Reply:
-        reader = self._reader
-        assert reader is not None
-        # The reply cannot be here before the host has read the request: wait
-        # first (this is the exchange's scheduling checkpoint), then read.
-        if reader.pending:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        else:
-            await trio.lowlevel.wait_readable(reader.fd)
-        length = frame_length(bytes(await self._read_exact(HEADER.size)))
-        return decode_reply(await self._read_exact(length))
+    def _pipes(self) -> HostPipes:
+        process = self._process
+        assert process is not None and process.pipes is not None
+        return process.pipes
 
     # -- ending ------------------------------------------------------------
 
@@ -459,73 +311,21 @@ class LaneHost:
         raise LaneHostFailed(self.lane_id, reason, message)
 
     def _kill_group(self) -> None:
-        # Only while the leader is unreaped: its pid, the group id, cannot be reused.
-        if self._popen is not None and self._popen.returncode is None:
-            try:
-                os.killpg(self._popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self._process is not None:
+            self._process.kill_group()
 
     async def wait_exited(self) -> None:
         """Return once the host's process has exited, however it ended (at once if it
-        never started). It neither reaps nor kills: a watcher beside the conversation,
-        waiting on its own copy of the pidfd, which `_end` may close meanwhile."""
-        popen = self._popen
-        if popen is None or popen.returncode is not None:
-            return
-        if self._pidfd is None:
-            with contextlib.suppress(ChildProcessError):  # reaped meanwhile: gone
-                await trio.to_thread.run_sync(
-                    os.waitid,
-                    os.P_PID,
-                    popen.pid,
-                    os.WEXITED | os.WNOWAIT,
-                    abandon_on_cancel=True,
-                )
-            return
-        fd = os.dup(self._pidfd)
-        try:
-            await trio.lowlevel.wait_readable(fd)
-        finally:
-            os.close(fd)
-
-    async def _wait_exit(self) -> None:
-        if self._popen is None:
-            return
-        if self._pidfd is not None:
-            await trio.lowlevel.wait_readable(self._pidfd)
-            return
-        pid = self._popen.pid  # no pidfd (an old kernel): wait in a thread, without reaping
-        await trio.to_thread.run_sync(
-            os.waitid, os.P_PID, pid, os.WEXITED | os.WNOWAIT, abandon_on_cancel=True
-        )
+        never started). It neither reaps nor kills (`HostProcess.wait_exited`)."""
+        if self._process is not None:
+            await self._process.wait_exited()
 
     async def _end(self, *, graceful: bool) -> None:
         """Close our pipe ends, see the process exit (EOF first if `graceful`, then
         SIGKILL to the group), reap it. Callers shield this and hold the lock."""
         self._hello = None
-        for fd in (self._to_host, self._from_host):
-            if fd is not None:
-                os.close(fd)
-        self._to_host = self._from_host = None
-        self._reader = None
-        popen = self._popen
-        if popen is None or popen.returncode is not None:
-            return
-        if graceful:  # the host exits on EOF, which closing our end just sent
-            with trio.move_on_after(self._close_timeout):
-                await self._wait_exit()
-        self._kill_group()  # also any process the host left in its group
-        with trio.move_on_after(_REAP_SECONDS):
-            await self._wait_exit()
-        try:
-            popen.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            log.error("lane host %s (pid %d) survived SIGKILL", self.lane_id, popen.pid)
-            return
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._process is not None:
+            await self._process.end(graceful=graceful, close_timeout=self._close_timeout)
 
 
 Backend = Literal["auto", "numpy", "cupy"]

@@ -11,47 +11,43 @@ work is refused; a GPU lane also leaves allocatable, while the CPU pool keeps
 its processes and builtins (they never use its host).
 
 The work runs in the lane's host process (one per lane, started here): the
-owner keeps which buffer belongs to which invocation and forwards only ids the
-caller holds. A host that crashes, hangs or garbles is replaced, counted
-against the same restart limits; the invocations that held buffers in it are
-cancelled (`on_host_failed`), and its memory is accounted back.
+owner keeps which buffer belongs to which invocation (`supervisor.lane_buffers`)
+and forwards only ids the caller holds (`supervisor.lane_jobs` runs each job).
+A host that crashes, hangs or garbles is replaced, counted against the same
+restart limits; the invocations that held buffers in it are cancelled
+(`on_host_failed`), and its memory is accounted back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
-import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
 
-import msgspec
 import trio
 
 from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefused
 from machine.lanes import Lane
-from supervisor.lane_host import LaneHostError, LaneHostFailed
+from supervisor.lane_buffers import LaneBuffers
+from supervisor.lane_host_errors import LaneHostError, LaneHostFailed
+from supervisor.lane_jobs import LaneJobRunner
 from supervisor.lane_queue import FairQueue, Full
 from supervisor.lane_work import (
     Download,
-    Execute,
     KernelError,
+    LaneBusy,
     LaneDevice,
     LaneJob,
+    LaneWorkError,
     LaneWorkReply,
-    MemoryRelease,
     MemoryReserve,
-    Upload,
     lane_op,
 )
 
 __all__ = ["LaneBusy", "LaneOwner", "LaneWorkError"]
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 # The host's refusals as the edge answers them; anything else is the caller's args (422).
 _HOST_CODES = {
@@ -61,20 +57,6 @@ _HOST_CODES = {
     "too_many_buffers": (429, "too_many_buffers"),
     "unknown_kernel": (422, "unknown_kernel"),
 }
-
-
-class LaneWorkError(Exception):
-    """Lane work refused or failed; `status` is the honest HTTP status."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-
-class LaneBusy(LaneWorkError):
-    def __init__(self, lane_id: str) -> None:
-        super().__init__(429, "lane_busy", f"lane {lane_id} has too much work queued")
 
 
 @dataclasses.dataclass(eq=False)
@@ -87,12 +69,6 @@ class _Job:
     data: bytes | None = None  # a download's bytes
     error: Exception | None = None
     abandoned: bool = False  # the caller stopped waiting while it ran: undo a reserve
-
-
-@dataclasses.dataclass(frozen=True)
-class _Buffer:
-    invocation_id: str
-    nbytes: int
 
 
 class LaneOwner:
@@ -116,16 +92,20 @@ class LaneOwner:
         self.lane = lane
         self._validator = validator
         self._host_factory = host_factory
-        self._is_live = is_live
-        self._usable = usable
         self._on_fault = on_fault
         self._on_host_failed = on_host_failed
-        self._on_host_call = on_host_call
         self.share = share  # jobs one invocation may have queued on this lane
         self._queue = FairQueue[_Job](share=share, max_keys=max_queued_invocations)
-        self._buffers: dict[str, _Buffer] = {}
-        self._held: dict[str, int] = {}
-        self._max_buffers = max_buffers
+        self._buffers = LaneBuffers(lane.vram_bytes)
+        self._jobs = LaneJobRunner(
+            lane,
+            validator,
+            self._buffers,
+            is_live=is_live,
+            usable=usable,
+            on_host_call=on_host_call,
+            max_buffers=max_buffers,
+        )
         self._max_restarts = max_restarts
         self._window = window
         self.restarts: deque[float] = deque(maxlen=max_restarts + 1)
@@ -190,16 +170,16 @@ class LaneOwner:
         return job
 
     def held_by(self, invocation_id: str) -> int:
-        return self._held.get(invocation_id, 0)
+        return self._buffers.held_by(invocation_id)
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._held.values())
+        return self._buffers.used_bytes
 
     @property
     def free_bytes(self) -> int:
         """The lane memory no invocation holds."""
-        return self.lane.vram_bytes - self.used_bytes
+        return self._buffers.free_bytes
 
     def holds(self, invocation_id: str) -> bool:
         """Whether freeing the invocation here has anything to do (its work is running,
@@ -207,7 +187,7 @@ class LaneOwner:
         current = self._current
         if current is not None and current.invocation_id == invocation_id:
             return True
-        return any(buf.invocation_id == invocation_id for buf in self._buffers.values())
+        return self._buffers.holds_any(invocation_id)
 
     async def free_invocation(self, invocation_id: str) -> int:
         """Drop the invocation's buffers, in the host too. Its tokens are revoked
@@ -218,25 +198,10 @@ class LaneOwner:
         current = self._current
         if current is not None and current.invocation_id == invocation_id:
             await current.done.wait()
-        ids = [b for b, buf in self._buffers.items() if buf.invocation_id == invocation_id]
-        freed = sum(self._buffers[b].nbytes for b in ids)
-        await self._free_in_host(ids)
+        ids = self._buffers.of(invocation_id)
+        freed = self._buffers.nbytes(ids)
+        await self._jobs.free(self._host, ids)
         return freed
-
-    async def _free_in_host(self, buffer_ids: list[str]) -> None:
-        """Forget the buffers, then free them in the host. A host that fails here
-        is gone with all its memory; the owner replaces it at its next request."""
-        for buffer_id in buffer_ids:
-            self._drop_buffer(buffer_id)
-        host = self._host
-        if not buffer_ids or host is None:
-            return
-        try:
-            await self._host_call("free_all", host.free_all(buffer_ids))
-        except (LaneHostError, LaneHostFailed) as exc:
-            log.error(
-                "lane %s: freeing %d buffers failed: %s", self.lane.lane_id, len(buffer_ids), exc
-            )
 
     # -- the owner task ---------------------------------------------------------------
     async def run(self) -> None:
@@ -307,9 +272,8 @@ class LaneOwner:
         memory back and cancel the invocations that held buffers in it."""
         with trio.CancelScope(shield=True):
             await self._close_host()
-        holders = set(self._held)
+        holders = self._buffers.holders()
         self._buffers.clear()
-        self._held.clear()
         if holders:
             self._on_host_failed(self.lane.lane_id, sorted(holders))
 
@@ -340,7 +304,7 @@ class LaneOwner:
                 continue  # the watcher saw the host exit
             self._current = job
             try:
-                await self._handle(host, job)
+                job.reply, job.data = await self._jobs.handle(host, job.token, job.work)
             except (LaneWorkError, TokenRefused) as exc:
                 job.error = exc
             except KernelError as exc:
@@ -369,96 +333,4 @@ class LaneOwner:
         if job.abandoned and job.reply is not None and isinstance(job.work, MemoryReserve):
             assert job.reply.buffer_id is not None
             if job.reply.buffer_id in self._buffers:
-                await self._free_in_host([job.reply.buffer_id])
-
-    async def _handle(self, host: LaneDevice, job: _Job) -> None:
-        token, work = job.token, job.work
-        lane_id = self.lane.lane_id
-        op = lane_op(work)
-        # Again: the token may have been revoked while the job waited.
-        sub = self._validator.validate(token, lane_id=lane_id, op=op).sub
-        held = self._held.get(sub, 0)
-        if isinstance(work, MemoryReserve):  # the budget covers what it would then hold
-            self._validator.validate(token, lane_id=lane_id, op=op, vram_bytes=held + work.nbytes)
-        if not self._is_live(sub):
-            raise LaneWorkError(409, "invocation_not_live", "the invocation has ended")
-        reply = LaneWorkReply(op=op.value, lane_id=lane_id, invocation_id=sub, bytes_held=held)
-        if isinstance(work, MemoryReserve):
-            job.reply = await self._reserve(host, reply, work)
-        elif isinstance(work, MemoryRelease):
-            job.reply = await self._release(reply, work.buffer_id)
-        elif isinstance(work, Upload):
-            self._own(sub, work.buffer_id)
-            written = await self._host_call(
-                "write", host.write(work.buffer_id, work.offset, work.data)
-            )
-            job.reply = _replace(reply, buffer_id=work.buffer_id, result={"nbytes": written})
-        elif isinstance(work, Download):
-            self._own(sub, work.buffer_id)
-            job.data = await self._host_call(
-                "read", host.read(work.buffer_id, work.offset, work.length)
-            )
-            job.reply = reply
-        else:
-            job.reply = _replace(reply, result=await self._execute(host, sub, work))
-
-    async def _execute(self, host: LaneDevice, sub: str, work: Execute) -> dict[str, object]:
-        for buffer_id in work.buffers.values():
-            self._own(sub, buffer_id)
-        if not self._usable(self.lane.lane_id):
-            raise KernelError("lane_unhealthy", "the lane is not healthy")
-        result = await self._host_call("run", host.run(work.kernel, work.args, work.buffers))
-        if not self._usable(self.lane.lane_id):  # a fault reached the lane while it ran
-            raise KernelError("lane_unhealthy", "the lane failed while the work ran")
-        return dict(result)
-
-    async def _host_call(self, op: str, call: Awaitable[_T]) -> _T:
-        """Await one host request, reporting how long the owner waited for it:
-        the host hop's share of lane work, seen from where it is paid."""
-        started = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self._on_host_call(op, time.perf_counter() - started)
-
-    def _own(self, sub: str, buffer_id: str) -> None:
-        buffer = self._buffers.get(buffer_id)
-        # Another invocation's buffer looks exactly like a missing one.
-        if buffer is None or buffer.invocation_id != sub:
-            raise LaneWorkError(404, "buffer_not_found", "no such buffer for this invocation")
-
-    async def _reserve(
-        self, host: LaneDevice, reply: LaneWorkReply, work: MemoryReserve
-    ) -> LaneWorkReply:
-        nbytes = work.nbytes
-        if nbytes > self.free_bytes:
-            raise LaneWorkError(
-                409, "insufficient_vram", f"the lane has {self.free_bytes} bytes free"
-            )
-        if len(self._buffers) >= self._max_buffers:
-            raise LaneWorkError(429, "too_many_buffers", "the lane holds too many buffers")
-        buffer_id = "buf_" + secrets.token_hex(16)
-        await self._host_call("alloc", host.alloc(buffer_id, work.dtype, work.shape))
-        self._buffers[buffer_id] = _Buffer(reply.invocation_id, nbytes)
-        held = self._held[reply.invocation_id] = self._held.get(reply.invocation_id, 0) + nbytes
-        return _replace(reply, buffer_id=buffer_id, bytes_held=held)
-
-    async def _release(self, reply: LaneWorkReply, buffer_id: str) -> LaneWorkReply:
-        self._own(reply.invocation_id, buffer_id)
-        await self._free_in_host([buffer_id])
-        return _replace(reply, buffer_id=buffer_id, bytes_held=self.held_by(reply.invocation_id))
-
-    def _drop_buffer(self, buffer_id: str) -> None:
-        """Forget a buffer (if still known) and its bytes."""
-        buffer = self._buffers.pop(buffer_id, None)
-        if buffer is None:
-            return
-        held = self._held.get(buffer.invocation_id, 0) - buffer.nbytes
-        if held > 0:
-            self._held[buffer.invocation_id] = held
-        else:
-            self._held.pop(buffer.invocation_id, None)
-
-
-def _replace(reply: LaneWorkReply, **changes: object) -> LaneWorkReply:
-    return msgspec.structs.replace(reply, **changes)
+                await self._jobs.free(self._host, [job.reply.buffer_id])

@@ -1,4 +1,5 @@
-"""Lane work: the wire types a token holder sends, and what the lane owner asks its host.
+"""Lane work: the wire types a token holder sends, how it is refused, and what the
+lane owner asks its host.
 
 A reply never holds a device handle or pointer: buffers are opaque ids scoped
 to the invocation that reserved them. The work itself runs in the lane's host
@@ -23,8 +24,10 @@ __all__ = [
     "Download",
     "Execute",
     "KernelError",
+    "LaneBusy",
     "LaneDevice",
     "LaneJob",
+    "LaneWorkError",
     "LaneWorkReply",
     "LaneWorkRequest",
     "MemoryRelease",
@@ -151,6 +154,20 @@ class KernelError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class LaneWorkError(Exception):
+    """Lane work refused or failed; `status` is the honest HTTP status."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class LaneBusy(LaneWorkError):
+    def __init__(self, lane_id: str) -> None:
+        super().__init__(429, "lane_busy", f"lane {lane_id} has too much work queued")
 
 
 class LaneDevice(Protocol):

@@ -8,39 +8,43 @@ KeyboardInterrupt - the whole process group is ended: SIGTERM, up to
 `kill_grace` seconds for it to empty, then SIGKILL. That cleanup runs shielded
 and with its own deadline, and then whatever ended the run propagates.
 
-Memory: a per-invocation cgroup (v1 or v2, `machine.cgroups`) when the host allows it;
-otherwise RLIMIT_AS, but only for CPU-only work (CUDA reserves huge virtual
-address ranges, so an address-space limit would break GPU work); otherwise
-the limit is not enforced by the kernel and a warning is logged.
+What a request may ask is checked by `supervisor.process_validation`, the child's
+environment is made by `supervisor.process_env`, and its memory and other limits
+are enforced by `supervisor.process_cgroup` (a cgroup, else RLIMIT_AS for
+CPU-only work, else a warning).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Literal
 
 import trio
 
-from machine.cgroups import (
-    CGROUP_NAME_RE,
-    CgroupError,
-    CgroupLimits,
-    Cgroups,
-    CgroupUsage,
-    InvocationCgroup,
-    system_cgroups,
-)
-from machine.kept_thread import KeptThread
+from machine.cgroups import Cgroups, CgroupUsage, InvocationCgroup
 from machine.proc import process_start_ticks
 from machine.procgroup import terminate_group
 from supervisor.launch import Launch, plan
 from supervisor.output import OutputRing, Sink, pump
-from supervisor.sandbox import SandboxSpec
+from supervisor.process_cgroup import (
+    CGROUP_THREAD,
+    SYSTEM_CGROUPS,
+    ConfinementFailed,
+    end_cgroup,
+    memory_plan,
+    resolve_cgroups,
+    watch_oom,
+)
+from supervisor.process_env import ENV_ALLOW_LIST, RESERVED_ENV_NAMES, build_environment
+from supervisor.process_spec import ProcessSpec
+from supervisor.process_validation import (
+    InvalidProcessRequest,
+    validate_argv,
+    validate_env,
+    validate_spec,
+)
 from supervisor.spawn import Child, spawn
 
 __all__ = [
@@ -59,107 +63,9 @@ __all__ = [
     "validate_spec",
 ]
 
-log = logging.getLogger(__name__)
-
-# What a child inherits from the daemon's own environment; nothing else leaks.
-ENV_ALLOW_LIST = (
-    "PATH",
-    "HOME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "TERM",
-    "USER",
-    "LOGNAME",
-    "TMPDIR",
-)
-# Set by the supervisor, or able to change what runs (the loader, an interpreter's
-# start-up, a shell's init file) or which devices a runtime uses. Compared in
-# upper case: several runtimes read these names case-insensitively.
-RESERVED_ENV_NAMES = frozenset(
-    {
-        "BASH_ENV",
-        "BASHOPTS",
-        "ENV",
-        "GCONV_PATH",
-        "GETCONF_DIR",
-        "GLIBC_TUNABLES",
-        "GPU_DEVICE_ORDINAL",
-        "HOSTALIASES",
-        "IFS",
-        "JAVA_TOOL_OPTIONS",
-        "_JAVA_OPTIONS",
-        "LOCALDOMAIN",
-        "LOCPATH",
-        "MALLOC_CHECK_",
-        "MALLOC_TRACE",
-        "NLSPATH",
-        "NODE_OPTIONS",
-        "OPENSSL_CONF",
-        "PERL5LIB",
-        "PERL5OPT",
-        "PERLLIB",
-        "PS4",
-        "RES_OPTIONS",
-        "RESOLV_HOST_CONF",
-        "RUBYLIB",
-        "RUBYOPT",
-        "SHELLOPTS",
-        "TMPDIR",
-    }
-)
-RESERVED_ENV_PREFIXES = (
-    "LITEGRAPH_",
-    "LD_",  # LD_PRELOAD, LD_AUDIT, LD_LIBRARY_PATH, ...
-    "DYLD_",
-    "PYTHON",  # PYTHONPATH, PYTHONSTARTUP, PYTHONHOME, ...
-    "CUDA_",  # CUDA_VISIBLE_DEVICES, CUDA_MPS_PIPE_DIRECTORY, ...
-    "NVIDIA_",
-    "HIP_",
-    "ROCR_",
-    "HSA_",
-)
-DEVICE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-# Set for every guest unless its request sets them (so these few are not reserved):
-# Python writes each line as it is printed, so followers of the logs see it live.
-GUEST_DEFAULT_ENV = {"PYTHONUNBUFFERED": "1"}
-
-MAX_ENV_ENTRIES = 64
-MAX_ENV_ITEM_BYTES = 4096
-MAX_SUPERVISOR_ENV_BYTES = 128 * 1024 - 1
-MAX_ARGV_ENTRIES = 256
-MAX_ARGV_ITEM_BYTES = 4096
-
-_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# GPU-<uuid>, MIG-<uuid>, MIG-GPU-<uuid>/<gi>/<ci>: never a separator or blank.
-_DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
-
 # After the group is gone: how long the pumps may take to read what is left
 # in the pipes (longer only if something outside the group holds them).
 _DRAIN_SECONDS = 1.0
-
-# Every guest's cgroup work (mkdir, limits, usage, rmdir: blocking cgroupfs calls) runs
-# on this one thread, in turn.
-_CGROUP_THREAD = KeptThread("litegraph-cgroups", idle_exit=None)
-
-# run_process's default: this host's cgroups, detected on first use.
-SYSTEM_CGROUPS: Literal["system"] = "system"
-# Until CPU and pids limits are part of the spec: the whole machine, and the kernel's pid cap.
-_NO_PIDS_LIMIT = 4_194_304
-
-
-class InvalidProcessRequest(ValueError):
-    """The caller asked for something this executor refuses (the caller's fault)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class ConfinementFailed(RuntimeError):
-    """The guest's cgroup could not be made: it does not run without its limits."""
 
 
 class ProcessStuck(RuntimeError):
@@ -168,125 +74,6 @@ class ProcessStuck(RuntimeError):
     def __init__(self, pid: int) -> None:
         super().__init__(f"process {pid} did not exit after SIGKILL")
         self.pid = pid
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    argv: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)
-    cwd: str | None = None
-    # LITEGRAPH_CAPABILITY_TOKEN, LITEGRAPH_NODE_URL, LITEGRAPH_LANE_IDS, ...
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-    # GPU or MIG uuids granted; empty means "no device", never "all devices".
-    visible_devices: tuple[str, ...] = ()
-    cpu_affinity: tuple[int, ...] | None = None
-    memory_limit_bytes: int | None = None
-    cpu_only: bool = True
-    # Unique per live invocation (use the invocation id): it names the cgroup.
-    cgroup_name: str = "invocation"
-    # Run as this uid, with the gid of the same number and no supplementary groups.
-    uid: int | None = None
-    # Run inside this sandbox (bubblewrap); None runs the argv directly.
-    sandbox: SandboxSpec | None = None
-    # CPU quota (thousandths of a CPU) and process limit of the cgroup; None: no limit.
-    cpu_millis: int | None = None
-    pids_max: int | None = None
-
-
-# -- validation --------------------------------------------------------------
-
-
-def _check_text(field_name: str, value: object, limit: int) -> str:
-    if not isinstance(value, str):
-        raise InvalidProcessRequest(field_name, "must be a string")
-    if "\x00" in value:
-        raise InvalidProcessRequest(field_name, "contains a NUL byte")
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidProcessRequest(field_name, "is not valid UTF-8 text") from None
-    if size > limit:
-        raise InvalidProcessRequest(field_name, f"longer than {limit} bytes")
-    return value
-
-
-def is_reserved_env_name(name: str) -> bool:
-    upper = name.upper()
-    if name in GUEST_DEFAULT_ENV:
-        return False
-    return upper in RESERVED_ENV_NAMES or upper.startswith(RESERVED_ENV_PREFIXES)
-
-
-def validate_env(env: Mapping[str, str]) -> None:
-    """Refuse an invocation environment that is too big, malformed or reserved."""
-    if len(env) > MAX_ENV_ENTRIES:
-        raise InvalidProcessRequest("env", f"more than {MAX_ENV_ENTRIES} variables")
-    for name, value in env.items():
-        _check_text("env", name, MAX_ENV_ITEM_BYTES)
-        if not _ENV_NAME_RE.fullmatch(name):
-            raise InvalidProcessRequest(f"env.{name}", "not a valid variable name")
-        if is_reserved_env_name(name):
-            raise InvalidProcessRequest(f"env.{name}", "reserved: set by the node only")
-        _check_text(f"env.{name}", value, MAX_ENV_ITEM_BYTES)
-
-
-def validate_argv(argv: Sequence[str]) -> None:
-    """1..256 arguments, each at most 4 KiB without NUL; argv[0] not empty."""
-    if isinstance(argv, str | bytes):
-        raise InvalidProcessRequest("argv", "must be a list of strings")
-    if not 1 <= len(argv) <= MAX_ARGV_ENTRIES:
-        raise InvalidProcessRequest("argv", f"must have 1 to {MAX_ARGV_ENTRIES} entries")
-    for index, arg in enumerate(argv):
-        _check_text(f"argv[{index}]", arg, MAX_ARGV_ITEM_BYTES)
-    if not argv[0]:
-        raise InvalidProcessRequest("argv[0]", "must not be empty")
-
-
-def validate_spec(spec: ProcessSpec) -> None:
-    """Everything run_process relies on, checked before anything is created."""
-    validate_argv(spec.argv)
-    validate_env(spec.env)
-    for name, value in spec.extra_env.items():
-        _check_text("extra_env", name, MAX_ENV_ITEM_BYTES)
-        if not _ENV_NAME_RE.fullmatch(name):
-            raise InvalidProcessRequest(f"extra_env.{name}", "not a valid variable name")
-        # The supervisor's own values (one token per lane) may be longer than a
-        # guest's; the kernel's limit for one string is 128 KiB.
-        _check_text(f"extra_env.{name}", value, MAX_SUPERVISOR_ENV_BYTES)
-    for device in spec.visible_devices:
-        if not isinstance(device, str) or not _DEVICE_ID_RE.fullmatch(device):
-            raise InvalidProcessRequest("visible_devices", f"invalid device id {device!r}")
-    if spec.cwd is not None:
-        _check_text("cwd", spec.cwd, MAX_ARGV_ITEM_BYTES)
-    if spec.cpu_only and spec.visible_devices:
-        # CPU-only work may get RLIMIT_AS, which breaks CUDA: a contradiction, refuse it.
-        raise InvalidProcessRequest("cpu_only", "devices granted to CPU-only work")
-    if spec.memory_limit_bytes is not None and spec.memory_limit_bytes <= 0:
-        raise InvalidProcessRequest("memory_limit_bytes", "must be positive")
-    if spec.cpu_affinity is not None:
-        allowed = os.sched_getaffinity(0)
-        if not spec.cpu_affinity or not set(spec.cpu_affinity) <= allowed:
-            raise InvalidProcessRequest(
-                "cpu_affinity", f"must be a non-empty subset of {sorted(allowed)}"
-            )
-    if not CGROUP_NAME_RE.fullmatch(spec.cgroup_name):
-        raise InvalidProcessRequest("cgroup_name", "must match [A-Za-z0-9_][A-Za-z0-9_.-]*")
-    if spec.uid is not None and (spec.uid <= 0 or spec.uid == os.geteuid()):
-        raise InvalidProcessRequest("uid", "a guest never runs as root or as the daemon's user")
-
-
-def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[str, str]:
-    """Allow-listed daemon variables < guest defaults < the invocation's env <
-    supervisor variables."""
-    env = {name: parent_env[name] for name in ENV_ALLOW_LIST if name in parent_env}
-    env.update(GUEST_DEFAULT_ENV)
-    env.update(spec.env)
-    env.update(spec.extra_env)
-    # Last, so nothing above can widen the device set; "" hides every GPU.
-    devices = ",".join(spec.visible_devices)
-    for name in DEVICE_ENV_NAMES:
-        env[name] = devices
-    return env
 
 
 # -- ending a process group --------------------------------------------------
@@ -316,54 +103,11 @@ def _open_pidfd(pid: int) -> int | None:
 # -- running -----------------------------------------------------------------
 
 
-async def _watch_oom(cgroup: InvocationCgroup, scope: trio.CancelScope) -> None:
-    with scope:
-        await cgroup.kill_after_oom()
-
-
-def _cgroup_limits(spec: ProcessSpec, memory_bytes: int) -> CgroupLimits:
-    cpus = len(os.sched_getaffinity(0))
-    # A sandboxed guest may open only its grant's device nodes (v1's devices controller).
-    nodes = spec.sandbox.device_nodes if spec.sandbox is not None else None
-    return CgroupLimits(
-        memory_bytes=memory_bytes,
-        cpu_millis=spec.cpu_millis or cpus * 1000,
-        pids_max=spec.pids_max or _NO_PIDS_LIMIT,
-        devices=None if nodes is None else tuple(str(node) for node in nodes),
-    )
-
-
-def _memory_plan(
-    spec: ProcessSpec, cgroups: Cgroups | None
-) -> tuple[InvocationCgroup | None, int | None]:
-    """(cgroup, RLIMIT_AS bytes) enforcing spec.memory_limit_bytes (and the other limits)."""
-    limit = spec.memory_limit_bytes
-    if limit is None:
-        return None, None
-    if cgroups is not None:
-        limits = _cgroup_limits(spec, limit)
-        try:
-            return cgroups.create(spec.cgroup_name, limits), None
-        except CgroupError as exc:
-            # The node has cgroups: a guest without one would escape its CPU, pids
-            # and device limits and the whole-cgroup kill. It does not run.
-            raise ConfinementFailed(f"no cgroup for {spec.cgroup_name}: {exc}") from exc
-    if spec.cpu_only:
-        return None, limit
-    log.warning(
-        "memory limit of %d bytes for %s not enforced: no usable cgroup and "
-        "RLIMIT_AS would break GPU work",
-        limit,
-        spec.cgroup_name,
-    )
-    return None, None
-
-
 def _prepare(
     spec: ProcessSpec, cgroups: Cgroups | None, env: Mapping[str, str]
 ) -> tuple[InvocationCgroup | None, Launch]:
     """The cgroup (made here) and how the child starts; blocking, for the cgroup thread."""
-    cgroup, rlimit_as = _memory_plan(spec, cgroups)
+    cgroup, rlimit_as = memory_plan(spec, cgroups)
     try:
         launch = plan(
             spec.argv,
@@ -405,13 +149,11 @@ async def run_process(
     """
     validate_spec(spec)
     env = build_environment(spec, os.environ if parent_env is None else parent_env)
-    if isinstance(cgroups, str):  # SYSTEM_CGROUPS
-        found = system_cgroups()
-        cgroups = found if isinstance(found, Cgroups) else None
+    cgroups = resolve_cgroups(cgroups)
     # mkdir and the limit writes cost milliseconds of kernel time: not on the event
     # loop. Never lost to a cancel (the job completes; spawn's failure path below
     # removes the cgroup).
-    cgroup, launch = await _CGROUP_THREAD.run(
+    cgroup, launch = await CGROUP_THREAD.run(
         functools.partial(_prepare, spec, cgroups, env), shield=True
     )
     gate_read, gate_write = os.pipe()
@@ -449,26 +191,7 @@ async def run_process(
         with trio.move_on_after(kill_grace + 15, shield=True):
             await terminate_group(pgid, kill_grace, leader=proc)
             if cgroup is not None:
-                # Usually nothing is left: usage and removal in one worker-thread call.
-                finished = await _CGROUP_THREAD.run(cgroup.finish_if_empty, shield=True)
-                if finished is not None:
-                    usage, removed = finished
-                    if on_usage is not None and usage is not None:
-                        on_usage(usage)
-                    if not removed:
-                        await cgroup.remove()
-                    return
-                # What escaped the group (a setsid() grandchild) is still in the cgroup.
-                try:
-                    await cgroup.kill()
-                except CgroupError as exc:
-                    log.error("%s: %s", spec.cgroup_name, exc)
-                if on_usage is not None:
-                    try:
-                        on_usage(cgroup.usage())
-                    except CgroupError as exc:  # unread counters never keep the cgroup
-                        log.error("%s: no usage: %s", spec.cgroup_name, exc)
-                await cgroup.remove()
+                await end_cgroup(cgroup, spec.cgroup_name, on_usage)
 
     try:
         try:
@@ -488,7 +211,7 @@ async def run_process(
             oom_watch = trio.CancelScope()
             if cgroup is not None and cgroup.version == "v1":
                 # v1's OOM killer ends one process; an invocation ends whole (v2: oom.group).
-                nursery.start_soon(_watch_oom, cgroup, oom_watch)
+                nursery.start_soon(watch_oom, cgroup, oom_watch)
             await _wait_exit_unreaped(proc, pidfd)
             oom_watch.cancel()
             # A normal exit too ends the group: grandchildren left behind go as well,

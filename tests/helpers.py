@@ -58,6 +58,22 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_client(
+    env: dict[str, str], *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """A client command (`run`, `status`, ...) to its end in a guest folder, its output
+    as text."""
+    return subprocess.run(
+        node_command(*args),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=guest_cwd(),
+        timeout=timeout,
+        check=False,
+    )
+
+
 def _drain(stream: object, lines: queue.Queue[str | None]) -> None:
     assert hasattr(stream, "readline")
     for line in iter(stream.readline, ""):

@@ -33,6 +33,7 @@ from supervisor.wire import (
     NodeEvent,
     ProcessWork,
     Resources,
+    SubmitResponse,
 )
 from tests.lane_doubles import InProcessHosts
 
@@ -119,6 +120,16 @@ class Rig:
             and e.invocation is not None
             and e.invocation.id == invocation_id
         ]
+
+    def lane_events(self, lane_id: str) -> list[str | None]:
+        """The `to_state` of every event published about this lane, in order."""
+        return [e.to_state for e in self.seen if e.lane_id == lane_id]
+
+    @property
+    def in_process_hosts(self) -> InProcessHosts:
+        """The rig's default lane hosts (only when `open_rig` was given none of its own)."""
+        assert isinstance(self.hosts, InProcessHosts)
+        return self.hosts
 
     # -- lanes ---------------------------------------------------------------------
     def lane_ids(self, kind: LaneKind) -> list[str]:
@@ -219,6 +230,21 @@ def unstarted_supervisor(
 
 
 @contextlib.asynccontextmanager
+async def open_unstarted(
+    tmp_path: Path, *, machine_cls: type[Machine] = Machine, **sup_kw: Any
+) -> AsyncIterator[tuple[Machine, Supervisor, TokenService]]:
+    """A sim machine and an `unstarted_supervisor` over it, for tests that run and stop
+    the supervisor themselves; the machine is closed on exit."""
+    state_dir = tmp_path / "state"
+    machine = await open_machine(state_dir, cls=machine_cls)
+    try:
+        sup, tokens = unstarted_supervisor(machine, state_dir, **sup_kw)
+        yield machine, sup, tokens
+    finally:
+        await machine.aclose()
+
+
+@contextlib.asynccontextmanager
 async def open_rig(
     tmp_path: Path,
     *,
@@ -311,6 +337,18 @@ def builtin(
         ),
         timeout_s=timeout_s,
     )
+
+
+def gpu_builtin(invocation_id: str, name: str = "sleep", **kw: Any) -> InvocationRequest:
+    """`builtin` work on one GPU: a share of one by default, or (`isolation=`) a whole
+    one or a MIG instance."""
+    return builtin(invocation_id, name, requirement=Requirement.GPU, gpus=1, **kw)
+
+
+def only_lane(response: SubmitResponse) -> tuple[str, str]:
+    """The one (lane id, token) an admission of single-lane work answered with."""
+    ((lane_id, token),) = response.tokens.items()
+    return lane_id, token
 
 
 def process(

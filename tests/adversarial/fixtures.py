@@ -21,15 +21,12 @@ import psutil  # type: ignore[import-untyped]
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from api.auth import load_auth
 from capabilities import paseto
 from node.config import Config
 from node.daemon import Daemon
-from tests.api_fixtures import daemon_config
+from tests.api_fixtures import bearer, daemon_config, running_daemon
 from tests.helpers import clean_env, node_command, spawned, wait_for_line
 
-START_SECONDS = 20.0
-STOP_SECONDS = 30.0
 LISTENING = r"listening on (http://\S+)"
 GiB = 2**30
 MiB = 2**20
@@ -133,27 +130,14 @@ async def running_node(
     client_timeout: float = 10.0,
     limits: httpx.Limits | None = None,
 ) -> AsyncIterator[Node]:
-    daemon = Daemon(
-        config_for(tmp_path, *argv, devices=devices),
-        handle_signals=False,
-        pynvml_module=pynvml_module,
-    )
-    async with trio.open_nursery() as nursery:
-        try:
-            with trio.fail_after(START_SECONDS):
-                url = await nursery.start(daemon.run)
-            auth = load_auth(daemon.auth_path)
-            async with httpx.AsyncClient(
-                base_url=url, timeout=client_timeout, limits=limits or httpx.Limits()
-            ) as client:
-                yield Node(url, auth.scheduler, auth.admin, daemon, client)
-        finally:
-            daemon.stop.set()
-            nursery.cancel_scope.deadline = trio.current_time() + STOP_SECONDS
-
-
-def bearer(secret: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}"}
+    """`running_daemon` (started and stopped the same way) with an HTTP client for it."""
+    async with running_daemon(
+        tmp_path, *argv, devices=devices, pynvml_module=pynvml_module
+    ) as running:
+        async with httpx.AsyncClient(
+            base_url=running.url, timeout=client_timeout, limits=limits or httpx.Limits()
+        ) as client:
+            yield Node(running.url, running.scheduler, running.admin, running.daemon, client)
 
 
 def sleep_request(invocation_id: str, seconds: float = 60, **fields: Any) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 import trio
 
-import node.daemon
 from machine.journal import JOURNAL_FILENAME, Journal
 from machine.monitor import probe_once
 from tests.adversarial.fixtures import (
@@ -36,7 +35,6 @@ from tests.adversarial.fixtures import (
 )
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 from tests.helpers import stop
-from tests.lane_doubles import InProcessHosts
 
 pytestmark = pytest.mark.hostile("faults")
 
@@ -224,18 +222,12 @@ def _faulted(owner: Any) -> bool:
     return bool(owner.faulted)
 
 
-@pytest.fixture
-def crashing_executor(monkeypatch: pytest.MonkeyPatch) -> None:
-    # In-process hosts whose kernel `boom` raises inside the owner.
-    monkeypatch.setattr(node.daemon, "lane_host_factory", lambda *_a, **_k: InProcessHosts())
-
-
 def _vram(capacity: dict[str, Any], lane: str) -> dict[str, Any]:
     return next(v for v in capacity["vram_bytes"] if v["lane_id"] == lane)
 
 
 async def test_faults_lane_owner_crash_restarts_then_faults_lane_past_intensity(
-    tmp_path: pathlib.Path, crashing_executor: None
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
 ) -> None:
     async with running_node(tmp_path) as running:
         baseline = await running.capacity()
@@ -282,7 +274,7 @@ async def test_faults_lane_owner_crash_restarts_then_faults_lane_past_intensity(
 
 
 async def test_faults_lane_owner_crash_answers_a_documented_status(
-    tmp_path: pathlib.Path, crashing_executor: None
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
 ) -> None:
     async with running_node(tmp_path) as running:
         accepted = await running.submit(gpu_request("victim"))

@@ -202,6 +202,13 @@ def test_files_journal_folder_instead_of_file_refused(tmp_path: pathlib.Path) ->
 # --- the daemon refuses to start ---------------------------------------------------------
 
 
+def _behind_a_symlink(path: pathlib.Path, real: pathlib.Path) -> pathlib.Path:
+    """Moves the file to `real` and leaves a symlink to it in its place; returns `path`."""
+    path.rename(real)
+    path.symlink_to(real)
+    return path
+
+
 def _prepare(state: pathlib.Path, case: str) -> pathlib.Path:
     """A state dir made good by one clean start, then broken in one way; returns the file."""
     state.mkdir(mode=0o700)
@@ -216,26 +223,17 @@ def _prepare(state: pathlib.Path, case: str) -> pathlib.Path:
         os.chmod(auth, 0o644)
         return auth
     if case == "auth_symlink":
-        real = state.parent / "real-auth.json"
-        auth.rename(real)
-        auth.symlink_to(real)
-        return auth
+        return _behind_a_symlink(auth, state.parent / "real-auth.json")
     if case == "key_0640":
         os.chmod(key, 0o640)
         return key
     if case == "key_symlink":
-        real = state.parent / "real.paserk"
-        key.rename(real)
-        key.symlink_to(real)
-        return key
+        return _behind_a_symlink(key, state.parent / "real.paserk")
     if case == "journal_0644":
         os.chmod(journal_path, 0o644)
         return journal_path
     if case == "journal_symlink":
-        real = state.parent / "real.journal"
-        journal_path.rename(real)
-        journal_path.symlink_to(real)
-        return journal_path
+        return _behind_a_symlink(journal_path, state.parent / "real.journal")
     if case == "journal_flipped_byte":
         journal, _ = Journal.open(state, durable=False)
         for rid in ("one", "two"):
@@ -248,18 +246,6 @@ def _prepare(state: pathlib.Path, case: str) -> pathlib.Path:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "auth_0644",
-        "auth_symlink",
-        "key_0640",
-        "key_symlink",
-        "journal_0644",
-        "journal_symlink",
-        "journal_flipped_byte",
-    ],
-)
 def _serve(state: pathlib.Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         node_command(

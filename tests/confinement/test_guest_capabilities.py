@@ -54,7 +54,7 @@ print(subprocess.run(
 HOST_PROBE = """
 import os, subprocess, sys
 sys.path[:0] = sys.argv[1:]
-from supervisor.lane_host import _die_with_parent
+from supervisor.lane_host_process import _die_with_parent
 
 print(subprocess.run(
     ["grep", "^Cap", "/proc/self/status"], preexec_fn=_die_with_parent(os.getpid()),

@@ -17,22 +17,9 @@ import httpx
 import pytest
 
 from tests.helpers import clean_env, guest_cwd, node_command, spawned, stop, wait_for_line
+from tests.helpers import run_client as client
 
 DEV_LISTENING = r"dev: listening on (http://\S+)"
-
-
-def client(
-    env: dict[str, str], *args: str, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        node_command(*args),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=guest_cwd(),
-        timeout=timeout,
-        check=False,
-    )
 
 
 def _as_typed(hint: str) -> list[str]:
@@ -220,10 +207,13 @@ def test_run_asks_for_the_resources_its_flags_name(tmp_path: pathlib.Path) -> No
 @pytest.fixture
 def dev_state(tmp_path: pathlib.Path) -> Iterator[tuple[str, pathlib.Path, dict[str, str]]]:
     """A `dev` daemon on a free port with its own state folder: its URL, the folder,
-    and the environment the client commands run in."""
+    and the environment the client commands run in. Its tests leave a minute-long
+    invocation running, so the daemon gives it no shutdown grace."""
     state = tmp_path / "state"
     env = clean_env()
-    argv = node_command("dev", "--listen", "127.0.0.1:0", "--state-dir", str(state))
+    argv = node_command(
+        "dev", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--shutdown-grace", "0"
+    )
     with spawned(argv, env) as proc:
         url = wait_for_line(proc, DEV_LISTENING)
         yield url, state, env

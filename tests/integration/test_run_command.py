@@ -14,7 +14,15 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 
 from api.auth import load_auth
-from tests.helpers import clean_env, guest_cwd, node_command, spawned, stop, wait_for_line
+from tests.helpers import (
+    clean_env,
+    guest_cwd,
+    node_command,
+    run_client,
+    spawned,
+    stop,
+    wait_for_line,
+)
 
 DEV_LISTENING = r"dev: listening on (http://\S+)"
 
@@ -33,15 +41,7 @@ def test_run_prints_output_and_exits_with_the_commands_status(
     dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
 ) -> None:
     url, env, _ = dev_node
-    result = subprocess.run(
-        node_command("run", "--url", url, "--", "sh", "-c", "echo hi; exit 3"),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=guest_cwd(),
-        timeout=60,
-        check=False,
-    )
+    result = run_client(env, "run", "--url", url, "--", "sh", "-c", "echo hi; exit 3")
     assert result.stdout == "hi\n", result.stderr
     assert result.returncode == 3, result.stderr
     assert "failed (nonzero_exit)" in result.stderr
@@ -51,15 +51,8 @@ def test_run_exits_0_when_the_command_succeeds(
     dev_node: tuple[str, dict[str, str], int], tmp_path: pathlib.Path
 ) -> None:
     url, env, _ = dev_node
-    result = subprocess.run(
-        node_command("run", "--url", url, "--", "sh", "-c", "printf 'a\\nb\\n'; echo err >&2"),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=guest_cwd(),
-        timeout=60,
-        check=False,
-    )
+    script = "printf 'a\\nb\\n'; echo err >&2"
+    result = run_client(env, "run", "--url", url, "--", "sh", "-c", script)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "a\nb\n"
     assert "err\n" in result.stderr

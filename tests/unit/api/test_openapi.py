@@ -13,7 +13,7 @@ from api.settings import HttpSettings
 from machine.readiness import Readiness
 
 METHODS = {"get", "put", "post", "delete", "patch"}
-HOW = "give it a `summary` and `tags` in api/openapi.py (an entry in OPERATIONS there)"
+HOW = "give it a `summary` and `tags` in api/openapi_operations.py (an entry in OPERATIONS there)"
 
 
 def _operations() -> list[tuple[str, str, dict[str, object]]]:
@@ -60,6 +60,6 @@ def test_every_route_is_in_the_openapi_document_and_nothing_else_is() -> None:
     documented = {(method, path) for method, path, _op in _operations()}
     missing = sorted(_routes() - documented)
     assert not missing, (
-        f"routes not in the OpenAPI document: {missing}; add each to api/openapi.py and {HOW}"
+        f"routes not in the OpenAPI document: {missing}; add each to api/openapi_paths.py and {HOW}"
     )
     assert not documented - _routes(), "documented operations that no route answers"

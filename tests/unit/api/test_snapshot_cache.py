@@ -7,19 +7,11 @@ import pathlib
 import trio
 
 from api.snapshot_cache import SnapshotCache
-from machine import Machine
+from tests.supervisor_fixtures import open_machine
 
 
 async def test_rebuilt_only_on_change_and_sequence_counts_changes(tmp_path: pathlib.Path) -> None:
-    machine = await Machine.open(
-        node_id="n1",
-        devices="sim",
-        sim_file=None,
-        state_dir=tmp_path,
-        reserved_cpu_millis=0,
-        reserved_memory_bytes=0,
-        vram_headroom_bytes=0,
-    )
+    machine = await open_machine(tmp_path)
     builds: list[int] = []
 
     def build(changes: int):  # type: ignore[no-untyped-def]

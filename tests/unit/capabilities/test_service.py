@@ -119,34 +119,17 @@ def test_each_token_gets_a_fresh_jti(service: TokenService) -> None:
 def test_ttl_is_capped_at_one_hour(tmp_path: pathlib.Path, clock: FakeClock) -> None:
     service = TokenService("node-a", KeyRing.open(tmp_path), ttl=86_400, clock=clock)
     assert service.ttl == 3600
-    minted = service.mint(
-        invocation_id="i",
-        lane_id="l",
-        ops=[LaneOp.EXECUTE],
-        vram_bytes=0,
-        isolation=Isolation.SHARED,
-        deadline=None,
-    )
+    minted = _minted(service, "i", lane_id="l", vram_bytes=0, isolation=Isolation.SHARED)
     assert minted.claims.exp.timestamp() == T0 + 3600
 
 
 def test_exp_never_passes_the_deadline_plus_margin(service: TokenService) -> None:
-    minted = service.mint(
-        invocation_id="i",
-        lane_id="l",
-        ops=[LaneOp.EXECUTE],
-        vram_bytes=0,
-        isolation=Isolation.SHARED,
-        deadline=T0 + 100.9,
+    minted = _minted(
+        service, "i", lane_id="l", vram_bytes=0, isolation=Isolation.SHARED, deadline=T0 + 100.9
     )
     assert minted.claims.exp.timestamp() == T0 + 100 + DEADLINE_MARGIN
-    far = service.mint(
-        invocation_id="i",
-        lane_id="l",
-        ops=[LaneOp.EXECUTE],
-        vram_bytes=0,
-        isolation=Isolation.SHARED,
-        deadline=T0 + 10_000,
+    far = _minted(
+        service, "i", lane_id="l", vram_bytes=0, isolation=Isolation.SHARED, deadline=T0 + 10_000
     )
     assert far.claims.exp.timestamp() == T0 + 600
 
@@ -212,14 +195,7 @@ def test_a_new_token_for_the_same_lane_supersedes_the_old_one(service: TokenServ
 
 def test_revoke_one_token(service: TokenService) -> None:
     validator = service.validator()
-    minted = service.mint(
-        invocation_id="inv-1",
-        lane_id="lane-0",
-        ops=[LaneOp.EXECUTE],
-        vram_bytes=0,
-        isolation=Isolation.SHARED,
-        deadline=None,
-    )
+    minted = _minted(service, "inv-1", vram_bytes=0, isolation=Isolation.SHARED)
     other = _mint(service, "inv-1", lane_id="lane-1")
     assert service.revoke(minted.claims)
     assert not service.revoke(minted.claims)

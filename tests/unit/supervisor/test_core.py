@@ -33,24 +33,16 @@ from tests.supervisor_fixtures import (
     GiB,
     Rig,
     builtin,
-    open_machine,
+    gpu_builtin,
     open_rig,
-    unstarted_supervisor,
+    open_unstarted,
 )
 
 S = InvocationState
 
 
 def gpu_sleep(invocation_id: str, **kw: object) -> InvocationRequest:
-    return builtin(
-        invocation_id,
-        "sleep",
-        requirement=Requirement.GPU,
-        gpus=1,
-        vram_bytes=2 * GiB,
-        seconds=100,
-        **kw,  # type: ignore[arg-type]
-    )
+    return gpu_builtin(invocation_id, vram_bytes=2 * GiB, seconds=100, **kw)
 
 
 def recover(rig: Rig, device: str) -> None:
@@ -202,16 +194,7 @@ async def test_a_device_fault_cancels_work_on_it_with_lane_unhealthy(
 ) -> None:
     async with open_rig(tmp_path) as rig:
         gpu = await rig.sup.submit(gpu_sleep("g"))
-        mig = await rig.sup.submit(
-            builtin(
-                "m",
-                "sleep",
-                requirement=Requirement.GPU,
-                isolation=Isolation.PARTITIONED,
-                gpus=1,
-                seconds=100,
-            )
-        )
+        mig = await rig.sup.submit(gpu_builtin("m", isolation=Isolation.PARTITIONED, seconds=100))
         cpu = await rig.sup.submit(builtin("cpu", "sleep", seconds=100))
         await rig.wait_state("g", S.running)
         await rig.wait_state("m", S.running)
@@ -299,10 +282,7 @@ async def test_shutdown_gives_grace_then_cancels_and_refuses_new_work(
 async def test_outer_cancellation_releases_everything(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    state_dir = tmp_path / "state"
-    machine = await open_machine(state_dir)
-    try:
-        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=1)
+    async with open_unstarted(tmp_path, max_running=1) as (machine, sup, tokens):
         baseline = machine.ledger.capacity()
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
@@ -321,17 +301,12 @@ async def test_outer_cancellation_releases_everything(
             for lane_id, token in response.tokens.items():
                 with pytest.raises(Exception, match="revoked"):
                     sup.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)
-    finally:
-        await machine.aclose()
 
 
 async def test_keyboard_interrupt_in_the_daemon_releases_everything(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    state_dir = tmp_path / "state"
-    machine = await open_machine(state_dir)
-    try:
-        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=4)
+    async with open_unstarted(tmp_path, max_running=4) as (machine, sup, tokens):
 
         async def interrupt() -> None:
             await trio.testing.wait_all_tasks_blocked()
@@ -347,17 +322,12 @@ async def test_keyboard_interrupt_in_the_daemon_releases_everything(
         assert len(machine.ledger) == 0
         assert machine.journal.reservations() == {}
         assert tokens.live_tokens == 0
-    finally:
-        await machine.aclose()
 
 
 async def test_a_submission_after_the_supervisor_stopped_is_refused_and_leaks_nothing(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    state_dir = tmp_path / "state"
-    machine = await open_machine(state_dir)
-    try:
-        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=1)
+    async with open_unstarted(tmp_path, max_running=1) as (machine, sup, tokens):
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.run)
             nursery.cancel_scope.cancel()  # torn down without shutdown() being called
@@ -368,8 +338,6 @@ async def test_a_submission_after_the_supervisor_stopped_is_refused_and_leaks_no
         assert tokens.live_tokens == 0
         with pytest.raises(UnknownInvocation):
             sup.get("late")
-    finally:
-        await machine.aclose()
 
 
 def test_utc_now_is_rfc3339_with_milliseconds_as_snapshots_write_it() -> None:

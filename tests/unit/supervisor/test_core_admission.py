@@ -20,7 +20,7 @@ from supervisor.wire import (
     InvocationState,
     ProcessWork,
 )
-from tests.supervisor_fixtures import GiB, Rig, builtin, open_rig
+from tests.supervisor_fixtures import GiB, Rig, builtin, gpu_builtin, open_rig
 
 S = InvocationState
 
@@ -281,20 +281,11 @@ async def test_a_drained_lane_refuses_new_work_but_running_work_finishes(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        dedicated = builtin(
-            "d",
-            "sleep",
-            requirement=Requirement.GPU,
-            isolation=Isolation.DEDICATED,
-            gpus=1,
-            seconds=5,
-        )
+        dedicated = gpu_builtin("d", isolation=Isolation.DEDICATED, seconds=5)
         response = await rig.sup.submit(dedicated)
         await rig.wait_state("d", S.running)
         rig.machine.ledger.drain(rig.gpu_lane)
-        later = builtin(
-            "later", "echo", requirement=Requirement.GPU, isolation=Isolation.DEDICATED, gpus=1
-        )
+        later = gpu_builtin("later", "echo", isolation=Isolation.DEDICATED)
         refusal = await refused(rig, later)
         assert (refusal.status, refusal.reason) == (409, "lane_drained")
         mock_clock.jump(5)

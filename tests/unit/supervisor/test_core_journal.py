@@ -3,7 +3,7 @@ cancels, and journal errors at process start/end never take the supervisor down.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,6 @@ import trio.testing
 from machine import Machine
 from machine.health import Signal
 from machine.journal import JournalError, Record
-from machine.lanes import Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
 from supervisor.wire import InvocationState
@@ -24,13 +23,13 @@ from tests.supervisor_fixtures import (
     GiB,
     Rig,
     builtin,
+    gpu_builtin,
     kill_leftovers,
-    open_machine,
     open_rig,
+    open_unstarted,
     process,
     session_members,
     tree_pid,
-    unstarted_supervisor,
 )
 
 S = InvocationState
@@ -39,6 +38,22 @@ S = InvocationState
 def machine(rig: Rig) -> FaultyJournalMachine:
     assert isinstance(rig.machine, FaultyJournalMachine)
     return rig.machine
+
+
+async def cancel_during_admission(
+    m: FaultyJournalMachine,
+    submit: Callable[[], Awaitable[None]],
+    cancel: Callable[[], Awaitable[None]],
+) -> None:
+    """`submit` runs until its journal write waits at `m.gate`, then `cancel` runs until
+    it waits as well; then the gate opens and both run to their end."""
+    assert m.gate is not None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(submit)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(cancel)
+        await trio.testing.wait_all_tasks_blocked()
+        m.gate.set()
 
 
 async def test_a_journal_failure_at_admission_is_a_typed_503_and_reserves_nothing(
@@ -76,12 +91,7 @@ async def test_a_cancel_during_a_failing_admission_answers_at_once(
             except UnknownInvocation:
                 outcome.append("unknown")
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(submit)
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(cancel)
-            await trio.testing.wait_all_tasks_blocked()
-            m.gate.set()
+        await cancel_during_admission(m, submit, cancel)
         # No waiting out the cleanup deadline: the frozen clock never moved.
         assert trio.current_time() == 0
         assert sorted(map(str, outcome)) == ["refused", "unknown"]
@@ -102,12 +112,7 @@ async def test_a_cancel_during_admission_cancels_once_admitted(
         async def cancel() -> None:
             answers.append(await rig.sup.cancel("c"))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(submit)
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(cancel)
-            await trio.testing.wait_all_tasks_blocked()
-            m.gate.set()
+        await cancel_during_admission(m, submit, cancel)
         status = rig.sup.get("c")
         assert (status.state, status.reason, status.started_at) == (
             S.cancelled,
@@ -124,9 +129,7 @@ async def test_a_device_fault_while_admission_is_journaled_still_cancels_the_wor
         m = machine(rig)
         m.gate = trio.Event()
         responses: list[object] = []
-        request = builtin(
-            "race", "sleep", requirement=Requirement.GPU, gpus=1, vram_bytes=GiB, seconds=100
-        )
+        request = gpu_builtin("race", vram_bytes=GiB, seconds=100)
 
         async def submit() -> None:
             responses.append(await rig.sup.submit(request))
@@ -220,11 +223,9 @@ async def test_a_journal_failure_at_process_end_is_survived(tmp_path: Path) -> N
 async def test_a_supervisor_stopping_during_admission_refuses_and_releases(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    state_dir = tmp_path / "state"
-    m = await open_machine(state_dir, cls=FaultyJournalMachine)
-    assert isinstance(m, FaultyJournalMachine)
-    try:
-        sup, tokens = unstarted_supervisor(m, state_dir, max_running=1)
+    unstarted = open_unstarted(tmp_path, machine_cls=FaultyJournalMachine, max_running=1)
+    async with unstarted as (m, sup, tokens):
+        assert isinstance(m, FaultyJournalMachine)
         outcome: list[AdmissionRefused] = []
 
         async def submit() -> None:
@@ -245,8 +246,6 @@ async def test_a_supervisor_stopping_during_admission_refuses_and_releases(
         assert [(r.status, r.reason) for r in outcome] == [(503, "shutting_down")]
         assert len(m.ledger) == 0 and m.journal.reservations() == {}
         assert tokens.live_tokens == 0
-    finally:
-        await m.aclose()
 
 
 async def test_a_cancel_journals_the_release_and_the_outcome_in_one_fsync(
@@ -313,10 +312,7 @@ async def test_endings_cut_off_by_a_stopping_supervisor_are_still_journaled(
 ) -> None:
     """The supervisor's nursery is cancelled while the endings wait for the disk:
     each ending still waits for its records (release and outcome) to be durable."""
-    state = tmp_path / "state"
-    m = await open_machine(state, cls=FaultyJournalMachine)
-    try:
-        sup, tokens = unstarted_supervisor(m, state)
+    async with open_unstarted(tmp_path, machine_cls=FaultyJournalMachine) as (m, sup, tokens):
 
         async def open_the_gate_once_an_ending_waits(gate: trio.Event) -> None:
             with trio.move_on_after(5):  # an ending that gave up never reaches the gate
@@ -340,5 +336,3 @@ async def test_endings_cut_off_by_a_stopping_supervisor_are_still_journaled(
             recorded = m.journal.ended(name)
             assert recorded is not None
             assert sup.get(name).state is S.cancelled
-    finally:
-        await m.aclose()

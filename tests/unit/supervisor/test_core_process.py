@@ -21,12 +21,12 @@ from tests.supervisor_fixtures import (
     GiB,
     Rig,
     kill_leftovers,
-    open_machine,
+    only_lane,
     open_rig,
+    open_unstarted,
     process,
     session_members,
     tree_pid,
-    unstarted_supervisor,
 )
 
 S = InvocationState
@@ -44,6 +44,21 @@ ENV_PROBE = (
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     async with open_rig(tmp_path, kill_grace=0.5) as rig:
         yield rig
+
+
+def run_process_raises(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """The supervisor's every `run_process` call raises `error` (and runs nothing)."""
+
+    async def raising(*args: object, **kwargs: object) -> int:
+        raise error
+
+    monkeypatch.setattr("supervisor.runner.run_process", raising)
+
+
+async def submit_gpu_true(rig: Rig, invocation_id: str) -> tuple[str, str]:
+    """Submits `true` on a GPU (1 GiB); returns its (lane id, token)."""
+    request = process(invocation_id, "true", requirement=Requirement.GPU, gpus=1, vram_bytes=GiB)
+    return only_lane(await rig.sup.submit(request))
 
 
 # -- environment --------------------------------------------------------------------------
@@ -186,44 +201,35 @@ async def test_shutdown_kills_every_tree(rig: Rig) -> None:
 
 
 async def test_outer_cancellation_kills_the_tree_and_releases(tmp_path: Path) -> None:
-    state_dir = tmp_path / "state"
-    machine = await open_machine(state_dir)
-    sid = 0
-    try:
-        sup, tokens = unstarted_supervisor(machine, state_dir, max_running=4, kill_grace=0.5)
-        with trio.CancelScope() as scope:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(sup.run)
-                await sup.submit(process("outer", *TREE))
-                with trio.fail_after(10):
-                    while not sup.get("outer").stdout_tail.strip():  # noqa: ASYNC110
-                        await trio.sleep(0.01)
-                sid = int(sup.get("outer").stdout_tail)
-                scope.cancel()
-        assert (sup.get("outer").state, sup.get("outer").reason) == (S.cancelled, "shutdown")
-        assert session_members(sid) == []
-        assert len(machine.ledger) == 0
-        assert machine.journal.reservations() == {}
-        assert machine.journal.processes() == {}  # the process end is journaled too
-        assert tokens.live_tokens == 0
-    finally:
-        if sid:
-            kill_leftovers(sid)
-        await machine.aclose()
+    async with open_unstarted(tmp_path, max_running=4, kill_grace=0.5) as (machine, sup, tokens):
+        sid = 0
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(sup.run)
+                    await sup.submit(process("outer", *TREE))
+                    with trio.fail_after(10):
+                        while not sup.get("outer").stdout_tail.strip():  # noqa: ASYNC110
+                            await trio.sleep(0.01)
+                    sid = int(sup.get("outer").stdout_tail)
+                    scope.cancel()
+            assert (sup.get("outer").state, sup.get("outer").reason) == (S.cancelled, "shutdown")
+            assert session_members(sid) == []
+            assert len(machine.ledger) == 0
+            assert machine.journal.reservations() == {}
+            assert machine.journal.processes() == {}  # the process end is journaled too
+            assert tokens.live_tokens == 0
+        finally:
+            if sid:
+                kill_leftovers(sid)
 
 
 async def test_a_process_that_survives_sigkill_keeps_its_resources_and_faults_its_lane(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def stuck(*args: object, **kwargs: object) -> int:
-        raise ProcessStuck(4242)  # what run_process says when SIGKILL did not end it
-
-    monkeypatch.setattr("supervisor.runner.run_process", stuck)
+    run_process_raises(monkeypatch, ProcessStuck(4242))  # what it says when SIGKILL failed
     async with open_rig(tmp_path) as rig:
-        accepted = await rig.sup.submit(
-            process("d", "true", requirement=Requirement.GPU, gpus=1, vram_bytes=GiB)
-        )
-        ((lane_id, token),) = accepted.tokens.items()
+        lane_id, token = await submit_gpu_true(rig, "d")
         assert await rig.wait_terminal("d") is InvocationState.failed
         assert (rig.sup.get("d").reason or "").startswith("process_stuck")
         # Still held (the device may still be in use) and its lane out of allocatable.
@@ -236,15 +242,9 @@ async def test_a_process_that_survives_sigkill_keeps_its_resources_and_faults_it
 async def test_a_guest_whose_cgroup_cannot_be_made_fails_typed_and_releases_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def unconfinable(*args: object, **kwargs: object) -> int:
-        raise ConfinementFailed("no cgroup for d: taken")  # what run_process says then
-
-    monkeypatch.setattr("supervisor.runner.run_process", unconfinable)
+    run_process_raises(monkeypatch, ConfinementFailed("no cgroup for d: taken"))
     async with open_rig(tmp_path) as rig:
-        accepted = await rig.sup.submit(
-            process("d", "true", requirement=Requirement.GPU, gpus=1, vram_bytes=GiB)
-        )
-        ((lane_id, token),) = accepted.tokens.items()
+        lane_id, token = await submit_gpu_true(rig, "d")
         assert await rig.wait_terminal("d") is InvocationState.failed
         assert rig.sup.get("d").reason == "confinement_failed: no cgroup for d: taken"
         # Nothing ran, so nothing is held: the lane stays allocatable.

@@ -15,7 +15,7 @@ import trio.testing
 
 from capabilities import Isolation as TokenIsolation
 from capabilities import LaneOp, TokenRefusal, TokenRefused
-from machine.lanes import Isolation, LaneKind, Requirement
+from machine.lanes import Isolation, LaneKind
 from supervisor.admission import AdmissionRefused
 from supervisor.lane_owner import LaneBusy, LaneWorkError
 from supervisor.lane_work import (
@@ -25,29 +25,31 @@ from supervisor.lane_work import (
     MemoryReserve,
     Upload,
 )
-from supervisor.wire import InvocationState, SubmitResponse
-from tests.lane_doubles import InProcessHosts
-from tests.supervisor_fixtures import GiB, builtin, open_rig
+from supervisor.wire import InvocationRequest, InvocationState, SubmitResponse
+from tests.supervisor_fixtures import GiB, Rig, builtin, gpu_builtin, only_lane, open_rig
 
 S = InvocationState
 BUFFER = r"^buf_[0-9a-f]{32}$"
 
 
-def gpu_work(invocation_id: str, vram: int = 4 * GiB, **kw: Any) -> Any:
-    return builtin(
-        invocation_id,
-        "sleep",
-        requirement=Requirement.GPU,
-        gpus=1,
-        vram_bytes=vram,
-        seconds=1000,
-        **kw,
-    )
+def gpu_work(invocation_id: str, vram: int = 4 * GiB, **kw: Any) -> InvocationRequest:
+    return gpu_builtin(invocation_id, vram_bytes=vram, seconds=1000, **kw)
 
 
-def only_lane(response: SubmitResponse) -> tuple[str, str]:
-    ((lane_id, token),) = response.tokens.items()
-    return lane_id, token
+async def send(rig: Rig, lane_id: str, token: str, work: Any) -> object:
+    """Lane work through the supervisor's entry for it: downloads answer with bytes."""
+    if isinstance(work, Download):
+        return await rig.sup.lane_download(lane_id, token, work)
+    return await rig.sup.lane_work(lane_id, token, work)
+
+
+async def holder_of_a_buffer(rig: Rig) -> tuple[str, SubmitResponse]:
+    """Admits GPU work "holder" and reserves a 4 KiB buffer for it in its lane's host;
+    returns that lane and the admission."""
+    response = await rig.sup.submit(gpu_work("holder"))
+    lane_id, holder = only_lane(response)
+    await rig.sup.lane_work(lane_id, holder, MemoryReserve(dtype="float32", shape=[1024]))
+    return lane_id, response
 
 
 # -- memory -------------------------------------------------------------------------------
@@ -99,14 +101,7 @@ async def test_the_lane_refuses_more_than_its_free_vram(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        request = builtin(
-            "mig",
-            "sleep",
-            requirement=Requirement.GPU,
-            isolation=Isolation.PARTITIONED,
-            gpus=1,
-            seconds=100,
-        )
+        request = gpu_builtin("mig", isolation=Isolation.PARTITIONED, seconds=100)
         lane_id, _ = only_lane(await rig.sup.submit(request))
         lane = rig.machine.ledger.lane(lane_id)
         assert lane is not None and lane.kind is LaneKind.MIG
@@ -202,10 +197,7 @@ async def test_buffers_bound_uploads_and_downloads(
             Download(buffer_id=buf, offset=4, length=5),
         ):
             with pytest.raises(LaneWorkError) as refused:
-                if isinstance(work, Download):
-                    await rig.sup.lane_download(lane_id, token, work)
-                else:
-                    await rig.sup.lane_work(lane_id, token, work)
+                await send(rig, lane_id, token, work)
             assert (refused.value.status, refused.value.code) == (416, "out_of_range")
         got = await rig.sup.lane_download(
             lane_id, token, Download(buffer_id=buf, offset=0, length=8)
@@ -368,15 +360,12 @@ async def test_too_many_crashes_fault_the_lane_and_cancel_its_work(
         assert not rig.machine.ledger.available(lane_id)
         await trio.testing.wait_all_tasks_blocked()
         assert rig.sup.get("bystander").state is S.running
-        lane_events = [e for e in rig.seen if e.lane_id == lane_id]
-        assert [e.to_state for e in lane_events] == ["unhealthy"]
+        assert rig.lane_events(lane_id) == ["unhealthy"]
         with pytest.raises(LaneWorkError) as refused:
             await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
         assert (refused.value.status, refused.value.code) == (503, "lane_unhealthy")
         # New dedicated work cannot land on the faulted lane.
-        dedicated = builtin(
-            "next", "echo", requirement=Requirement.GPU, isolation=Isolation.DEDICATED, gpus=1
-        )
+        dedicated = gpu_builtin("next", "echo", isolation=Isolation.DEDICATED)
         with pytest.raises(AdmissionRefused) as admission:
             await rig.sup.submit(dedicated)
         assert admission.value.reason == "lane_unhealthy"
@@ -483,8 +472,7 @@ async def test_ending_the_invocation_lets_its_running_kernel_finish_then_frees(
     """Cancelling a host request halfway would kill the host and every tenant's
     buffers in it: the kernel (bounded by the host's deadline) ends first."""
     async with open_rig(tmp_path) as rig:
-        hosts = rig.hosts
-        assert isinstance(hosts, InProcessHosts)
+        hosts = rig.in_process_hosts
         lane_id, token = only_lane(await rig.sup.submit(gpu_work("m")))
         await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[GiB]))
         outcome: list[Any] = []
@@ -521,12 +509,9 @@ async def test_a_crashed_host_cancels_its_holders_and_is_replaced(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        hosts = rig.hosts
-        assert isinstance(hosts, InProcessHosts)
-        response = await rig.sup.submit(gpu_work("holder"))
-        lane_id, holder = only_lane(response)
+        hosts = rig.in_process_hosts
+        lane_id, response = await holder_of_a_buffer(rig)
         _, idle = only_lane(await rig.sup.submit(gpu_work("idle")))  # no buffers there
-        await rig.sup.lane_work(lane_id, holder, MemoryReserve(dtype="float32", shape=[1024]))
         with pytest.raises(LaneWorkError) as failed:
             await rig.sup.lane_work(lane_id, idle, Execute(kernel="crash"))
         assert (failed.value.status, failed.value.code) == (503, "lane_host_failed")
@@ -538,7 +523,7 @@ async def test_a_crashed_host_cancels_its_holders_and_is_replaced(
         # The replacement serves; the invocation without buffers there runs on.
         assert rig.sup.get("idle").state is S.running
         assert (await rig.sup.lane_work(lane_id, idle, Execute(kernel="noop"))).result == {}
-        assert "host_restarted" in [e.to_state for e in rig.seen if e.lane_id == lane_id]
+        assert "host_restarted" in rig.lane_events(lane_id)
         await rig.sup.cancel("idle")
         rig.assert_released("holder", response.tokens)
 
@@ -547,11 +532,8 @@ async def test_a_host_that_dies_idle_is_replaced_at_once_without_a_request(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        hosts = rig.hosts
-        assert isinstance(hosts, InProcessHosts)
-        response = await rig.sup.submit(gpu_work("holder"))
-        lane_id, holder = only_lane(response)
-        await rig.sup.lane_work(lane_id, holder, MemoryReserve(dtype="float32", shape=[1024]))
+        hosts = rig.in_process_hosts
+        lane_id, response = await holder_of_a_buffer(rig)
         owner = rig.sup.owners[lane_id]
         assert owner.used_bytes == 4096 and rig.sup.lane_hosts_problem() is None
         hosts.current(lane_id).die()  # its process exits; nobody asks the lane anything
@@ -559,7 +541,7 @@ async def test_a_host_that_dies_idle_is_replaced_at_once_without_a_request(
         assert rig.sup.get("holder").reason == "lane_host_failed"
         assert owner.used_bytes == 0 and owner.host_starts == 2 and len(owner.restarts) == 1
         assert owner.host_status == "ready" and rig.sup.lane_hosts_problem() is None
-        assert "host_restarted" in [e.to_state for e in rig.seen if e.lane_id == lane_id]
+        assert "host_restarted" in rig.lane_events(lane_id)
         rig.assert_released("holder", response.tokens)
 
 
@@ -567,8 +549,7 @@ async def test_hosts_dying_idle_count_against_the_restart_limit(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        hosts = rig.hosts
-        assert isinstance(hosts, InProcessHosts)
+        hosts = rig.in_process_hosts
         lane_id, _ = only_lane(await rig.sup.submit(gpu_work("g")))
         owner = rig.sup.owners[lane_id]
         for _ in range(6):  # the default limit: more than 5 restarts within the window
@@ -600,10 +581,7 @@ async def test_another_invocations_buffer_cannot_be_used_in_any_way(
         ]
         for work in attempts:
             with pytest.raises(LaneWorkError) as refused:
-                if isinstance(work, Download):
-                    await rig.sup.lane_download(lane_id, other, work)
-                else:
-                    await rig.sup.lane_work(lane_id, other, work)
+                await send(rig, lane_id, other, work)
             assert (refused.value.status, refused.value.code) == (404, "buffer_not_found")
         mine = await rig.sup.lane_download(
             lane_id, owner_token, Download(buffer_id=theirs, offset=0, length=16)
@@ -615,18 +593,8 @@ async def test_a_deadline_ending_frees_the_host_memory(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        hosts = rig.hosts
-        assert isinstance(hosts, InProcessHosts)
-        request = builtin(
-            "late",
-            "sleep",
-            requirement=Requirement.GPU,
-            gpus=1,
-            vram_bytes=GiB,
-            seconds=1000,
-            timeout_s=5,
-        )
-        lane_id, token = only_lane(await rig.sup.submit(request))
+        hosts = rig.in_process_hosts
+        lane_id, token = only_lane(await rig.sup.submit(gpu_work("late", vram=GiB, timeout_s=5)))
         await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="float16", shape=[1024, 8]))
         assert hosts.used(lane_id) == 1024 * 8 * 2
         mock_clock.jump(5)

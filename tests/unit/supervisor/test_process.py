@@ -32,6 +32,7 @@ from supervisor.process import (
 )
 from tests.cgroup_fixtures import gone_within
 from tests.fakes.fake_cgroupfs import FakeCgroupV2
+from tests.supervisor_fixtures import session_members
 
 GRACE = 0.5
 PY = sys.executable
@@ -75,19 +76,6 @@ def spec(*argv: str, **fields: object) -> ProcessSpec:
     return ProcessSpec(argv=argv, **fields)  # type: ignore[arg-type]
 
 
-def _live_members(pgid: int) -> list[int]:
-    """Processes of the group or session `pgid` that are not zombies (zombies are dead)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if pgid in (os.getpgid(proc.pid), os.getsid(proc.pid)):
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc.pid)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
@@ -97,7 +85,7 @@ def _alive(pid: int) -> bool:
 
 async def _wait_for_members(run: Run, count: int) -> None:
     with trio.fail_after(2):
-        while not run.started or len(_live_members(run.pid)) < count:  # noqa: ASYNC110
+        while not run.started or len(session_members(run.pid)) < count:  # noqa: ASYNC110
             await trio.sleep(0.02)
 
 
@@ -148,7 +136,7 @@ async def test_an_error_in_on_started_kills_the_child_and_propagates() -> None:
 
     with pytest.raises(RuntimeError, match="journal write failed"):
         await run(spec("sleep", "60"), on_started=on_started)
-    assert _live_members(run.pid) == []
+    assert session_members(run.pid) == []
 
 
 async def test_output_beyond_the_ring_is_counted_not_kept() -> None:
@@ -331,7 +319,7 @@ async def test_cancellation_kills_the_child_and_its_grandchild() -> None:
             await _wait_for_members(run, 3)  # sh and two sleeps
             scope.cancel()
     assert scope.cancelled_caught
-    assert _live_members(run.pid) == []
+    assert session_members(run.pid) == []
 
 
 async def test_a_child_ignoring_sigterm_is_killed_after_the_grace() -> None:
@@ -344,7 +332,7 @@ async def test_a_child_ignoring_sigterm_is_killed_after_the_grace() -> None:
             cancelled_at = trio.current_time()
             scope.cancel()
     assert trio.current_time() - cancelled_at >= GRACE  # SIGTERM alone did not do it
-    assert _live_members(run.pid) == []
+    assert session_members(run.pid) == []
 
 
 async def test_a_deadline_ends_the_group_the_same_way() -> None:
@@ -353,7 +341,7 @@ async def test_a_deadline_ends_the_group_the_same_way() -> None:
         with trio.fail_after(0.3):
             await run(spec("sh", "-c", "sleep 60 & sleep 60"))
     assert len(run.started) == 1
-    assert _live_members(run.pid) == []
+    assert session_members(run.pid) == []
 
 
 async def test_a_grandchild_left_behind_after_a_normal_exit_is_killed() -> None:
@@ -364,7 +352,7 @@ async def test_a_grandchild_left_behind_after_a_normal_exit_is_killed() -> None:
     grandchild = int(run.stdout.text())
     assert grandchild != run.pid
     assert not _alive(grandchild)
-    assert _live_members(run.pid) == []
+    assert session_members(run.pid) == []
 
 
 async def test_a_process_that_left_the_group_cannot_hold_the_run_open(tmp_path: Path) -> None:
@@ -395,7 +383,7 @@ async def test_keyboard_interrupt_ends_the_group_and_propagates() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         await run(spec("sh", "-c", "sleep 60 & sleep 60"), on_started=on_started)
-    assert _live_members(run.pid) == []
+    assert session_members(run.pid) == []
 
 
 async def test_terminate_group_works_on_a_group_we_do_not_wait_for() -> None:

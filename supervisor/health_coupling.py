@@ -1,0 +1,81 @@
+"""Health coupling: work on a failed device, a faulted lane or a failed lane host is
+cancelled, and the lane hosts that keep the node from being ready are named."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from machine.health import HealthState, HealthTransition
+from supervisor.invocation import utc_now
+from supervisor.state import SupervisorState
+from supervisor.wire import EventKind, NodeEvent
+
+__all__ = ["FAILED_STATES", "HealthCoupling"]
+
+FAILED_STATES = frozenset({HealthState.UNHEALTHY, HealthState.LOST})
+_PROBLEM_CHARS = 200  # of a restarting host's last failure, per lane, in /readyz
+
+
+class HealthCoupling:
+    def __init__(self, state: SupervisorState) -> None:
+        self._state = state
+
+    def on_health(self, event: HealthTransition) -> None:
+        """Health coupling: work on a failed device is cancelled with `lane_unhealthy`."""
+        state = self._state
+        if event.to_state in FAILED_STATES:
+            for inv in list(state.live.values()):
+                if inv.reservation and any(
+                    g.device_id == event.device_id for g in inv.reservation.lanes
+                ):
+                    inv.cancel("lane_unhealthy")
+        state.events.publish(
+            NodeEvent(
+                kind=EventKind.health,
+                at=utc_now(),
+                device_id=event.device_id,
+                from_state=event.from_state.value,
+                to_state=event.to_state.value,
+                reasons=list(event.reasons),
+            )
+        )
+        state.on_change()
+
+    def lane_faulted(self, lane_id: str) -> None:
+        state = self._state
+        state.machine.ledger.fault_lane(lane_id)
+        for inv in list(state.live.values()):
+            if inv.reservation and any(g.lane_id == lane_id for g in inv.reservation.lanes):
+                inv.cancel("lane_unhealthy")
+        state.events.publish(
+            NodeEvent(kind=EventKind.lane, at=utc_now(), lane_id=lane_id, to_state="unhealthy")
+        )
+        state.on_change()
+
+    def lane_host_failed(self, lane_id: str, holders: Iterable[str]) -> None:
+        """A lane host died with their buffers: nothing they computed there is left."""
+        for sub in holders:
+            inv = self._state.live.get(sub)
+            if inv is not None:
+                inv.cancel("lane_host_failed")
+        self._state.events.publish(
+            NodeEvent(kind=EventKind.lane, at=utc_now(), lane_id=lane_id, to_state="host_restarted")
+        )
+
+    def lane_hosts_problem(self) -> str | None:
+        """Lanes whose host has not answered its hello yet, or not again since it
+        failed: the node is not ready while one is on its way (for /readyz)."""
+        waiting = [
+            f"{lane_id} ({owner.host_status}{': ' if owner.host_problem else ''}"
+            f"{owner.host_problem[:_PROBLEM_CHARS]})"
+            for lane_id, owner in sorted(self._state.owners.items())
+            if owner.host_status in ("starting", "restarting")
+        ]
+        return "waiting for lane hosts: " + "; ".join(waiting) if waiting else None
+
+    def faulted_lanes(self) -> str | None:
+        """Lanes whose host failed too often and are out of service (a note: the
+        other lanes still serve)."""
+        owners = self._state.owners
+        faulted = sorted(lane_id for lane_id, owner in owners.items() if owner.faulted)
+        return "lane hosts failed too often: " + ", ".join(faulted) if faulted else None

@@ -1,0 +1,89 @@
+"""A lane owner's book of the buffers in its host: which invocation holds which
+buffer, and how many bytes each invocation holds on the lane.
+
+Buffer ids are opaque and scoped to the invocation that reserved them: another
+invocation's buffer looks exactly like a missing one. The book only records;
+the owner frees in the host (`supervisor.lane_jobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from supervisor.lane_work import LaneWorkError
+
+__all__ = ["LaneBuffers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Buffer:
+    invocation_id: str
+    nbytes: int
+
+
+class LaneBuffers:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity  # the lane's memory
+        self._buffers: dict[str, _Buffer] = {}
+        self._held: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def __contains__(self, buffer_id: object) -> bool:
+        return buffer_id in self._buffers
+
+    def held_by(self, invocation_id: str) -> int:
+        return self._held.get(invocation_id, 0)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._held.values())
+
+    @property
+    def free_bytes(self) -> int:
+        """The lane memory no invocation holds."""
+        return self.capacity - self.used_bytes
+
+    def holders(self) -> set[str]:
+        """The invocations that hold any of the lane's memory."""
+        return set(self._held)
+
+    def holds_any(self, invocation_id: str) -> bool:
+        return any(buf.invocation_id == invocation_id for buf in self._buffers.values())
+
+    def of(self, invocation_id: str) -> list[str]:
+        """The ids of the invocation's buffers."""
+        return [b for b, buf in self._buffers.items() if buf.invocation_id == invocation_id]
+
+    def nbytes(self, buffer_ids: Iterable[str]) -> int:
+        return sum(self._buffers[b].nbytes for b in buffer_ids)
+
+    def own(self, sub: str, buffer_id: str) -> None:
+        """Refuse a buffer that `sub` does not hold."""
+        buffer = self._buffers.get(buffer_id)
+        # Another invocation's buffer looks exactly like a missing one.
+        if buffer is None or buffer.invocation_id != sub:
+            raise LaneWorkError(404, "buffer_not_found", "no such buffer for this invocation")
+
+    def add(self, buffer_id: str, invocation_id: str, nbytes: int) -> int:
+        """Record a new buffer; the bytes its invocation then holds."""
+        self._buffers[buffer_id] = _Buffer(invocation_id, nbytes)
+        held = self._held[invocation_id] = self._held.get(invocation_id, 0) + nbytes
+        return held
+
+    def drop(self, buffer_id: str) -> None:
+        """Forget a buffer (if still known) and its bytes."""
+        buffer = self._buffers.pop(buffer_id, None)
+        if buffer is None:
+            return
+        held = self._held.get(buffer.invocation_id, 0) - buffer.nbytes
+        if held > 0:
+            self._held[buffer.invocation_id] = held
+        else:
+            self._held.pop(buffer.invocation_id, None)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+        self._held.clear()

@@ -1,0 +1,70 @@
+"""Lane-work routing: a token holder's request reaches its lane's owner, bounded by
+the lane-work deadline; tokens are checked against their holder and refreshed."""
+
+from __future__ import annotations
+
+import trio
+
+from capabilities import Claims, LaneOp, MintedToken, TokenRefusal, TokenRefused
+from capabilities.errors import MintError, RevocationFull
+from supervisor.lane_owner import LaneOwner, LaneWorkError
+from supervisor.lane_work import Download, LaneJob, LaneWorkReply
+from supervisor.state import SupervisorState
+
+__all__ = ["LaneRouting"]
+
+
+class LaneRouting:
+    def __init__(self, state: SupervisorState) -> None:
+        self._state = state
+
+    def _owner(self, lane_id: str) -> LaneOwner:
+        owner = self._state.owners.get(lane_id)
+        if owner is None:
+            raise LaneWorkError(404, "unknown_lane", "no such lane")
+        return owner
+
+    def lane_caller(self, lane_id: str, token: str) -> Claims:
+        """Whose token this is, if it is authority on the lane for any op; the edge
+        asks before it reads a request's body (TokenRefused otherwise)."""
+        return self._owner(lane_id).identify(token)
+
+    async def lane_work(self, lane_id: str, token: str, work: LaneJob) -> LaneWorkReply:
+        owner = self._owner(lane_id)
+        with trio.fail_after(self._state.lane_work_deadline):
+            return await owner.request(token, work)
+
+    async def lane_download(self, lane_id: str, token: str, work: Download) -> bytes:
+        owner = self._owner(lane_id)
+        with trio.fail_after(self._state.lane_work_deadline):
+            return await owner.download(token, work)
+
+    def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int) -> None:
+        """On the guests' socket, a guest's token works only for that guest's uid:
+        a token copied out of its sandbox is refused wherever else it turns up."""
+        claims = self._state.validator.validate(token, lane_id=lane_id, op=op)
+        inv = self._state.live.get(claims.sub)
+        if inv is not None and inv.uid is not None and inv.uid != peer_uid:
+            raise TokenRefused(
+                TokenRefusal.WRONG_HOLDER, f"presented by uid {peer_uid}, not its guest's"
+            )
+
+    def refresh_token(self, lane_id: str, token: str) -> MintedToken:
+        """A fresh token with the same scope for a live invocation; the old one is revoked.
+
+        Tokens live at most `--token-ttl` (an hour at most); work that runs longer
+        trades its still-valid token for a new one, up to its own deadline, once
+        the token has used half its life (RefreshTooEarly before that). The new
+        token replaces the old one: refreshing adds no state.
+        """
+        claims = self._state.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)
+        inv = self._state.live.get(claims.sub)
+        if inv is None or inv.tokens.get(lane_id) != token:
+            # Ended, or this token was already traded in for a newer one.
+            raise LaneWorkError(409, "token_not_current", "not the invocation's current token")
+        try:
+            minted = self._state.tokens.refresh(claims, deadline=inv.wall_deadline)
+        except (MintError, RevocationFull) as exc:
+            raise LaneWorkError(503, "token_unavailable", str(exc)) from None
+        inv.tokens[lane_id] = minted.token
+        return minted
