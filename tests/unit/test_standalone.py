@@ -32,33 +32,40 @@ def text_of(path: pathlib.Path) -> str | None:
         return None
 
 
-def outside_references(text: str, parent: str) -> list[str]:
+def outside_references(text: str, root: str) -> list[str]:
+    """What in `text` climbs out of the checkout at `root`: a sibling's path, or the
+    checkout's own absolute path. Other paths under the same parent are fine: a clone
+    under /tmp still names /tmp in its tests."""
     found = [m.group(0) for m in OUTSIDE.finditer(text)]
+    parent = str(pathlib.PurePath(root).parent)
     # A checkout at the top of the file system has no folder of its own to name.
-    found += [parent] if parent != "/" and f"{parent}/" in text else []
+    if parent != "/":
+        found += [name for name in (f"{root}/", f"{parent}/{SIBLING}") if name in text]
     return found
 
 
 def test_no_tracked_file_reaches_outside_the_repository() -> None:
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: nothing lists the tracked files")
-    parent = str(ROOT.parent)
     problems = [
         f"{path.relative_to(ROOT)}: {refs}"
         for path in tracked_files()
         if path != pathlib.Path(__file__).resolve()
         and (text := text_of(path)) is not None
-        and (refs := outside_references(text, parent))
+        and (refs := outside_references(text, str(ROOT)))
     ]
     assert not problems, "\n".join(problems)
 
 
 def test_the_check_sees_an_outside_reference() -> None:
-    assert outside_references(f"see [DESIGN](../{SIBLING}/DESIGN.md)", "/srv")
-    assert outside_references(f"VECTORS = ROOT / 'x'; {SIBLING}/vectors/paseto", "/srv")
-    assert outside_references("open('/srv/other/file')", "/srv")
-    assert not outside_references("isolation: shared, on /dev/nvidia0 and /proc/1/stat", "/srv")
-    assert not outside_references("http://127.0.0.1:7380/", "/")
+    root = "/srv/litegraph-node"
+    assert outside_references(f"see [DESIGN](../{SIBLING}/DESIGN.md)", root)
+    assert outside_references(f"VECTORS = ROOT / 'x'; {SIBLING}/vectors/paseto", root)
+    assert outside_references("open('/srv/litegraph-node/tests/x')", root)
+    assert outside_references(f"open('/srv/{SIBLING}/notes.md')", root)
+    assert not outside_references("isolation: shared, on /dev/nvidia0 and /proc/1/stat", root)
+    assert not outside_references("ReadWritePaths=/srv /tmp/state", root)
+    assert not outside_references("http://127.0.0.1:7380/", "/litegraph-node")
 
 
 def markdown_files() -> list[pathlib.Path]:
