@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PACKAGES := lanehost capabilities machine supervisor api node
+# Test workers (pytest-xdist); each gets cgroups of its own (tests/worker_cgroups.py).
+PYTEST_WORKERS ?= 2
 
 .PHONY: run test lint typecheck pytest bench contracts clean system-run system-test
 
@@ -34,7 +36,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES) bench
 
 pytest: $(STAMP) system-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all

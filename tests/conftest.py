@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.helpers import remove_guest_dirs
+from tests.worker_cgroups import own_cgroups
 
 # CI runs on 2 cores; the "ci" profile is still large enough to mean something
 # (state machines ask for at least 200 examples on their own).
@@ -23,6 +24,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def _remove_guest_folders() -> Iterator[None]:
     yield
     remove_guest_dirs()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _a_cgroup_per_worker() -> Iterator[None]:
+    """pytest-xdist workers start daemons side by side: each worker gets cgroups of its
+    own (as root), so their invocations' cgroups never share a parent."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None or os.geteuid() != 0:
+        yield
+        return
+    with own_cgroups(f"lgtests-{worker}-{os.getpid()}"):
+        yield
 
 
 @pytest.fixture
