@@ -26,8 +26,10 @@ __all__ = [
     "MAX_ARGS",
     "MAX_BUFFERS",
     "MAX_DATA_BYTES",
+    "MAX_DIM",
     "MAX_DIMS",
     "MAX_FRAME_BYTES",
+    "MAX_OFFSET",
     "PROTOCOL_VERSION",
     "Alloc",
     "AllocReply",
@@ -69,6 +71,8 @@ MAX_DATA_BYTES = 64 * 1024 * 1024  # one Write's data or one Read's length
 MAX_FRAME_BYTES = MAX_DATA_BYTES + 64 * 1024  # payload bound; the header is 4 more bytes
 MAX_BUFFERS = 4096  # live buffers per lane, as the lane owner bounds them
 MAX_DIMS = 8
+MAX_DIM = 2**40  # one dimension of a buffer's shape
+MAX_OFFSET = 2**62  # a byte offset into a buffer
 MAX_ARGS = 32  # scalar args, and named buffers, per Run
 
 BUFFER_ID_PATTERN = r"^[A-Za-z0-9_]{1,64}$"
@@ -95,8 +99,8 @@ ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
 
 _Id = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 _BufferId = Annotated[str, msgspec.Meta(pattern=BUFFER_ID_PATTERN)]
-_Offset = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
-_Dim = Annotated[int, msgspec.Meta(ge=1, le=2**40)]
+_Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFSET)]
+_Dim = Annotated[int, msgspec.Meta(ge=1, le=MAX_DIM)]
 _Bytes = Annotated[int, msgspec.Meta(ge=0)]
 Scalar = bool | int | float
 
@@ -253,7 +257,9 @@ Reply = (
 
 
 class FrameError(Exception):
-    """A frame that breaks the framing: the stream can no longer be trusted."""
+    """A frame that breaks the framing: one received that way means the stream can
+    no longer be trusted; one that would be sent that way (over the bound, or a
+    value msgpack cannot carry) is refused before a byte of it is written."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -261,9 +267,22 @@ _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
+# What msgspec raises for a value msgpack cannot carry: an int outside
+# [-2**63, 2**64 - 1], an unsupported type, a structure nested too deep.
+_UNENCODABLE = (msgspec.EncodeError, OverflowError, RecursionError, TypeError, ValueError)
+
+
+def _payload(message: Request | Reply) -> bytes:
+    try:
+        return _encoder.encode(message)
+    except _UNENCODABLE as exc:
+        raise FrameError(f"the message does not encode: {exc}") from None
+
+
 def encode(message: Request | Reply) -> tuple[bytes, bytes]:
-    """(header, payload) of one frame; FrameError if the payload is over the bound."""
-    payload = _encoder.encode(message)
+    """(header, payload) of one frame; FrameError if the payload is over the bound
+    or does not encode."""
+    payload = _payload(message)
     if len(payload) > MAX_FRAME_BYTES:
         raise FrameError(f"frame of {len(payload)} bytes is over {MAX_FRAME_BYTES}")
     return HEADER.pack(len(payload)), payload
@@ -357,14 +376,15 @@ _BIN32 = struct.Struct(">BI")  # msgpack bin32: 0xc6, then the length
 
 
 def frame(message: Request | Reply) -> list[bytes | memoryview]:
-    """What to write for one frame; FrameError over the bound. A large `Write` or
+    """What to write for one frame; FrameError over the bound or for a message that
+    does not encode. A large `Write` or
     `ReadReply` is not copied into its payload: the message is encoded with empty
     data (its last field), whose bin header becomes a bin32 one, and the data
     follows as a piece of its own. The bytes decode as `encode` would give them."""
     if not isinstance(message, (Write, ReadReply)) or message.data.nbytes < SMALL_READ:
         return list(joined(*encode(message)))
     data = message.data.cast("B") if message.data.format != "B" else message.data
-    head = _encoder.encode(msgspec.structs.replace(message, data=memoryview(b"")))
+    head = _payload(msgspec.structs.replace(message, data=memoryview(b"")))
     assert head.endswith(_EMPTY_BIN), "data is the last field"
     head = head[: -len(_EMPTY_BIN)] + _BIN32.pack(0xC6, data.nbytes)
     length = len(head) + data.nbytes

@@ -96,8 +96,10 @@ class Ledger:
             default = HealthState.HEALTHY if lane.kind is LaneKind.CPU else HealthState.UNKNOWN
             self._health[lane.lane_id] = (device_health or {}).get(lane.device_id, default)
         self._drained: set[str] = set()
-        # Lanes whose owner failed too often: out of allocatable until cleared.
+        # Lanes with a fault of their own that takes them out of allocatable.
         self._faulted: set[str] = set()
+        # Each lane's faults of its own, by cause: (why, whether it stays allocatable).
+        self._faults: dict[str, dict[str, tuple[str, bool]]] = {}
         self._reservations: dict[str, Reservation] = {}
         self._cpu_allocated = 0
         self._memory_allocated = 0
@@ -123,14 +125,52 @@ class Ledger:
             return HealthState.UNHEALTHY
         return self._health.get(lane_id, HealthState.UNKNOWN)
 
-    def fault_lane(self, lane_id: str) -> None:
-        """Take a lane out of allocatable for a fault of its own (not its device's)."""
+    def fault_lane(
+        self,
+        lane_id: str,
+        reason: str = "lane_faulted",
+        *,
+        cause: str = "lane",
+        allocatable: bool = False,
+    ) -> None:
+        """A fault of the lane's own (not its device's), from `cause`: the lane is
+        shown unhealthy with `reason` and leaves allocatable, unless `allocatable`
+        (the CPU pool, whose processes and builtins never use what faulted: its
+        lane host). Each cause is cleared on its own."""
         self._require_lane(lane_id)
-        self._faulted.add(lane_id)
+        self._faults.setdefault(lane_id, {})[cause] = (reason, allocatable)
+        self._count_faults(lane_id)
 
-    def clear_lane_fault(self, lane_id: str) -> None:
+    def clear_lane_fault(self, lane_id: str, cause: str | None = None) -> None:
+        """Clear the fault from `cause` (every cause when None)."""
         self._require_lane(lane_id)
-        self._faulted.discard(lane_id)
+        faults = self._faults.get(lane_id, {})
+        if cause is None:
+            faults.clear()
+        else:
+            faults.pop(cause, None)
+        self._count_faults(lane_id)
+
+    def lane_health_shown(self, lane_id: str) -> HealthState:
+        """The health a snapshot shows: `lane_health`, but unhealthy while the lane has
+        a fault of its own even where it stays allocatable (the CPU pool, for its
+        processes and builtins), so a scheduler sees its lane work is out."""
+        return HealthState.UNHEALTHY if lane_id in self._faults else self.lane_health(lane_id)
+
+    def lane_fault(self, lane_id: str) -> str | None:
+        """Why the lane has a fault of its own, or None: the snapshot shows such a
+        lane unhealthy with this reason, even where it stays allocatable."""
+        faults = self._faults.get(lane_id)
+        return "; ".join(reason for reason, _ in faults.values()) if faults else None
+
+    def _count_faults(self, lane_id: str) -> None:
+        faults = self._faults.get(lane_id, {})
+        if not faults:
+            self._faults.pop(lane_id, None)
+        if any(not allocatable for _, allocatable in faults.values()):
+            self._faulted.add(lane_id)
+        else:
+            self._faulted.discard(lane_id)
 
     def drain(self, lane_id: str) -> None:
         self._require_lane(lane_id)

@@ -119,6 +119,9 @@ class LaneSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     health: HealthState
     drained: bool
     vram_bytes: int
+    # Why the lane is unhealthy for a fault of its own (its lane host failed too
+    # often), absent otherwise; the device's reasons are the device's.
+    health_reason: str | None = None
 
 
 class Amounts(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -260,9 +263,10 @@ def build_snapshot(
             device_id=lane.device_id,
             mig_uuid=lane.visible_uuid if lane.kind is LaneKind.MIG else None,
             accepts=tuple(sorted(lane.accepts)),
-            health=ledger.lane_health(lane.lane_id),
+            health=ledger.lane_health_shown(lane.lane_id),
             drained=ledger.is_drained(lane.lane_id),
             vram_bytes=lane.vram_bytes,
+            health_reason=ledger.lane_fault(lane.lane_id),
         )
         for lane in ledger.lanes()
     )

@@ -28,6 +28,7 @@ from supervisor.events import EventHub
 from supervisor.guests import GuestPolicy
 from supervisor.health_coupling import HealthCoupling
 from supervisor.history import History
+from supervisor.lane_buffers import BUFFERS_PER_INVOCATION
 from supervisor.lane_owner import LaneOwner
 from supervisor.lane_routing import LaneRouting
 from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
@@ -79,6 +80,7 @@ class Supervisor:
         cleanup_deadline: float = 30.0,
         lane_work_deadline: float = 120.0,
         lane_host_start_wait: float = 60.0,
+        lane_buffers_per_invocation: int = BUFFERS_PER_INVOCATION,
         retain_ended: int = 1024,
         on_change: Callable[[], None] = lambda: None,
         guests: GuestPolicy | None = None,
@@ -121,9 +123,11 @@ class Supervisor:
                     lane_hosts,
                     is_live=lambda sub: sub in state.live,
                     usable=machine.ledger.available,
-                    on_fault=self._health.lane_faulted,
+                    on_fault=self._health.lane_host_faulted,
+                    on_recovered=self._health.lane_recovered,
                     on_host_failed=self._health.lane_host_failed,
                     on_host_call=on_lane_host_call,
+                    max_buffers_per_invocation=lane_buffers_per_invocation,
                 ),
             )
             for lane in machine.ledger.lanes()

@@ -1,5 +1,6 @@
 """Health coupling: work on a failed device, a faulted lane or a failed lane host is
-cancelled, and the lane hosts that keep the node from being ready are named."""
+cancelled, a faulted lane is shown unhealthy (with why) until it recovers, and the
+lane hosts that keep the node from being ready are named."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ __all__ = ["FAILED_STATES", "HealthCoupling"]
 
 FAILED_STATES = frozenset({HealthState.UNHEALTHY, HealthState.LOST})
 _PROBLEM_CHARS = 200  # of a restarting host's last failure, per lane, in /readyz
+_HOST = "lane_host"  # the ledger's cause for a lane whose host failed too often
+_STUCK = "process_stuck: a process that survived SIGKILL holds the lane"
 
 
 class HealthCoupling:
@@ -41,16 +44,57 @@ class HealthCoupling:
         )
         state.on_change()
 
-    def lane_faulted(self, lane_id: str) -> None:
+    def lane_faulted(self, lane_id: str, reason: str = _STUCK, *, cause: str = "process") -> None:
+        """A GPU lane that cannot be trusted (a process that survived SIGKILL holds
+        it): unhealthy with `reason`, out of allocatable, its work cancelled."""
+        self._fault(lane_id, reason, cause=cause, allocatable=False)
+
+    def lane_host_faulted(self, lane_id: str, reason: str) -> None:
+        """A lane's host failed too often: the lane is unhealthy, with `reason`, in the
+        snapshot until it recovers. A GPU lane leaves allocatable and its work is
+        cancelled; the CPU pool's processes and builtins never use its host, so
+        they go on (and the pool stays allocatable for them): only its lane work
+        is out."""
+        lane = self._state.machine.ledger.lane(lane_id)
+        gpu = lane is not None and lane.is_gpu
+        self._fault(lane_id, reason, cause=_HOST, allocatable=not gpu)
+
+    def _fault(self, lane_id: str, reason: str, *, cause: str, allocatable: bool) -> None:
         state = self._state
-        state.machine.ledger.fault_lane(lane_id)
-        for inv in list(state.live.values()):
-            if inv.reservation and any(g.lane_id == lane_id for g in inv.reservation.lanes):
-                inv.cancel("lane_unhealthy")
-        state.events.publish(
-            NodeEvent(kind=EventKind.lane, at=utc_now(), lane_id=lane_id, to_state="unhealthy")
+        state.machine.ledger.fault_lane(lane_id, reason, cause=cause, allocatable=allocatable)
+        if not allocatable:
+            for inv in list(state.live.values()):
+                if inv.reservation and any(g.lane_id == lane_id for g in inv.reservation.lanes):
+                    inv.cancel("lane_unhealthy")
+        self._lane_event(lane_id, "unhealthy", reasons=[reason])
+
+    def lane_recovered(self, lane_id: str) -> None:
+        """A faulted lane's probe started a host that answered: back in service, with
+        its device's health (`healthy` unless the device itself is not, or another
+        fault of the lane's own, a stuck process, still holds it)."""
+        ledger = self._state.machine.ledger
+        ledger.clear_lane_fault(lane_id, _HOST)
+        self._lane_event(lane_id, ledger.lane_health_shown(lane_id).value, from_state="unhealthy")
+
+    def _lane_event(
+        self,
+        lane_id: str,
+        to_state: str,
+        *,
+        from_state: str | None = None,
+        reasons: Iterable[str] = (),
+    ) -> None:
+        self._state.events.publish(
+            NodeEvent(
+                kind=EventKind.lane,
+                at=utc_now(),
+                lane_id=lane_id,
+                from_state=from_state,
+                to_state=to_state,
+                reasons=list(reasons),
+            )
         )
-        state.on_change()
+        self._state.on_change()
 
     def lane_host_failed(self, lane_id: str, holders: Iterable[str]) -> None:
         """A lane host died with their buffers: nothing they computed there is left."""
@@ -74,8 +118,8 @@ class HealthCoupling:
         return "waiting for lane hosts: " + "; ".join(waiting) if waiting else None
 
     def faulted_lanes(self) -> str | None:
-        """Lanes whose host failed too often and are out of service (a note: the
-        other lanes still serve)."""
+        """Lanes whose host failed too often and are out of service until a probe
+        brings them back (a note: the other lanes still serve)."""
         owners = self._state.owners
         faulted = sorted(lane_id for lane_id, owner in owners.items() if owner.faulted)
         return "lane hosts failed too often: " + ", ".join(faulted) if faulted else None

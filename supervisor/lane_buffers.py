@@ -1,5 +1,5 @@
 """A lane owner's book of the buffers in its host: which invocation holds which
-buffer, and how many bytes each invocation holds on the lane.
+buffer, and how many buffers and bytes each invocation holds on the lane.
 
 Buffer ids are opaque and scoped to the invocation that reserved them: another
 invocation's buffer looks exactly like a missing one. The book only records;
@@ -13,7 +13,12 @@ from collections.abc import Iterable
 
 from supervisor.lane_work import LaneWorkError
 
-__all__ = ["LaneBuffers"]
+__all__ = ["BUFFERS_PER_INVOCATION", "LaneBuffers"]
+
+# The buffers one invocation may hold on one lane, of the lane's 4,096
+# (`lanehost.protocol.MAX_BUFFERS`): 64 x 64, the default --max-running, is 4,096,
+# so every invocation running at once, all on one lane, can hold its whole share.
+BUFFERS_PER_INVOCATION = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +31,8 @@ class LaneBuffers:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # the lane's memory
         self._buffers: dict[str, _Buffer] = {}
-        self._held: dict[str, int] = {}
+        self._held: dict[str, int] = {}  # bytes, by invocation
+        self._counts: dict[str, int] = {}  # buffers, by invocation
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -36,6 +42,10 @@ class LaneBuffers:
 
     def held_by(self, invocation_id: str) -> int:
         return self._held.get(invocation_id, 0)
+
+    def count_of(self, invocation_id: str) -> int:
+        """How many buffers the invocation holds on the lane."""
+        return self._counts.get(invocation_id, 0)
 
     @property
     def used_bytes(self) -> int:
@@ -51,7 +61,7 @@ class LaneBuffers:
         return set(self._held)
 
     def holds_any(self, invocation_id: str) -> bool:
-        return any(buf.invocation_id == invocation_id for buf in self._buffers.values())
+        return invocation_id in self._counts
 
     def of(self, invocation_id: str) -> list[str]:
         """The ids of the invocation's buffers."""
@@ -71,6 +81,7 @@ class LaneBuffers:
         """Record a new buffer; the bytes its invocation then holds."""
         self._buffers[buffer_id] = _Buffer(invocation_id, nbytes)
         held = self._held[invocation_id] = self._held.get(invocation_id, 0) + nbytes
+        self._counts[invocation_id] = self._counts.get(invocation_id, 0) + 1
         return held
 
     def drop(self, buffer_id: str) -> None:
@@ -78,12 +89,19 @@ class LaneBuffers:
         buffer = self._buffers.pop(buffer_id, None)
         if buffer is None:
             return
-        held = self._held.get(buffer.invocation_id, 0) - buffer.nbytes
+        invocation_id = buffer.invocation_id
+        held = self._held.get(invocation_id, 0) - buffer.nbytes
         if held > 0:
-            self._held[buffer.invocation_id] = held
+            self._held[invocation_id] = held
         else:
-            self._held.pop(buffer.invocation_id, None)
+            self._held.pop(invocation_id, None)
+        count = self._counts.get(invocation_id, 0) - 1
+        if count > 0:
+            self._counts[invocation_id] = count
+        else:
+            self._counts.pop(invocation_id, None)
 
     def clear(self) -> None:
         self._buffers.clear()
         self._held.clear()
+        self._counts.clear()

@@ -70,11 +70,24 @@ __all__ = [
     "LaneHostFailed",
     "host_environment",
     "lane_host_factory",
+    "request_frames",
 ]
 
 log = logging.getLogger(__name__)
 
 _R = TypeVar("_R", bound=Reply)
+
+
+def request_frames(request: Request) -> list[bytes | memoryview]:
+    """The bytes of one request's frame. A request that does not encode - a value
+    msgpack cannot carry, a frame over the bound - is `LaneHostError("bad_args")`:
+    nothing was sent, so the host is still in step and in service. The lane owner
+    checks lane work before it gets here (`supervisor.lane_checks`); this is the
+    last word for anything that slipped past, never the host's end."""
+    try:
+        return frame(request)
+    except FrameError as exc:
+        raise LaneHostError("bad_args", str(exc)) from None
 
 
 class LaneHost:
@@ -255,10 +268,7 @@ class LaneHost:
     async def _exchange(self, request: Request, expected: type[_R], seconds: float) -> _R:
         """One request and its reply, under the lock. Anything but a well-formed
         answer - or being cancelled halfway - kills the host."""
-        try:
-            parts = frame(request)
-        except FrameError as exc:
-            raise LaneHostError("bad_args", str(exc)) from None  # never sent: nothing changed
+        parts = request_frames(request)  # never sent if it does not encode: nothing changed
         done = False
         try:
             # A bare scope rather than fail_after, whose context-manager layers

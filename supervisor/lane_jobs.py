@@ -1,10 +1,13 @@
 """What one piece of a lane's queued work does, once its turn has come.
 
-The token is validated again for this lane, the operation and the VRAM the
-invocation would then hold (it may have been revoked while the work waited);
-the invocation must still be live; only buffer ids the caller holds are
-forwarded to the lane's host. The lane owner (`supervisor.lane_owner`) runs
-this one job at a time and decides what a failure means.
+The job is checked whole against what the host's wire carries
+(`supervisor.lane_checks`: 422 `bad_args`, nothing sent); the token is validated
+again for this lane, the operation and the VRAM the invocation would then hold
+(it may have been revoked while the work waited); the invocation must still be
+live; only buffer ids the caller holds are forwarded to the lane's host, and an
+invocation holds at most `max_buffers_per_invocation` of the lane's
+`max_buffers`. The lane owner (`supervisor.lane_owner`) runs this one job at a
+time and decides what a failure means.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import msgspec
 from capabilities import LaneValidator
 from machine.lanes import Lane
 from supervisor.lane_buffers import LaneBuffers
+from supervisor.lane_checks import check_job
 from supervisor.lane_host_errors import LaneHostError, LaneHostFailed
 from supervisor.lane_work import (
     Download,
@@ -56,7 +60,13 @@ class LaneJobRunner:
         usable: Callable[[str], bool],
         on_host_call: Callable[[str, float], None],
         max_buffers: int,
+        max_buffers_per_invocation: int,
     ) -> None:
+        if not 1 <= max_buffers_per_invocation <= max_buffers:
+            raise ValueError(
+                f"buffers per invocation must be from 1 to the lane's {max_buffers}, "
+                f"not {max_buffers_per_invocation}"
+            )
         self._lane = lane
         self._validator = validator
         self._buffers = buffers
@@ -64,12 +74,14 @@ class LaneJobRunner:
         self._usable = usable
         self._on_host_call = on_host_call
         self._max_buffers = max_buffers
+        self._max_per_invocation = max_buffers_per_invocation
 
     async def handle(
         self, host: LaneDevice, token: str, work: LaneJob
     ) -> tuple[LaneWorkReply, bytes | None]:
         """The work's reply, and a download's bytes (None for other work)."""
         lane_id = self._lane.lane_id
+        check_job(work)  # before anything reads it: every value fits the host's wire
         op = lane_op(work)
         # Again: the token may have been revoked while the job waited.
         sub = self._validator.validate(token, lane_id=lane_id, op=op).sub
@@ -137,8 +149,16 @@ class LaneJobRunner:
         free = self._buffers.free_bytes
         if nbytes > free:
             raise LaneWorkError(409, "insufficient_vram", f"the lane has {free} bytes free")
+        # Its own bound first: one invocation never fills the lane for the others.
+        count = self._buffers.count_of(reply.invocation_id)
+        if count >= self._max_per_invocation:
+            raise LaneWorkError(
+                429, "too_many_buffers", f"this invocation holds {count} buffers on the lane"
+            )
         if len(self._buffers) >= self._max_buffers:
-            raise LaneWorkError(429, "too_many_buffers", "the lane holds too many buffers")
+            raise LaneWorkError(
+                429, "too_many_buffers", f"the lane holds {len(self._buffers)} buffers"
+            )
         buffer_id = "buf_" + secrets.token_hex(16)
         await self._host_call("alloc", host.alloc(buffer_id, work.dtype, work.shape))
         held = self._buffers.add(buffer_id, reply.invocation_id, nbytes)

@@ -8,14 +8,21 @@ the owner validates the token again for this lane, the operation and the
 VRAM the invocation would then hold. An owner that crashes is restarted; more than
 `max_restarts` crashes within `window` seconds fault the lane and its pending
 work is refused; a GPU lane also leaves allocatable, while the CPU pool keeps
-its processes and builtins (they never use its host).
+its processes and builtins (they never use its host). Either way the lane is
+shown unhealthy with the reason (`on_fault`). A faulted lane is probed with
+backoff (`LaneRecovery`: 1 s, doubling to 60 s): the probe starts a host, and
+its answered hello returns the lane to service by itself, with a fresh restart
+window (`on_recovered`); a failed probe doubles the wait.
 
 The work runs in the lane's host process (one per lane, started here): the
 owner keeps which buffer belongs to which invocation (`supervisor.lane_buffers`)
 and forwards only ids the caller holds (`supervisor.lane_jobs` runs each job).
 A host that crashes, hangs or garbles is replaced, counted against the same
 restart limits; the invocations that held buffers in it are cancelled
-(`on_host_failed`), and its memory is accounted back.
+(`on_host_failed`), and its memory is accounted back. An idle host is asked
+for its `stats` every `heartbeat_interval` seconds: one that does not answer
+within `heartbeat_timeout` (stopped, wedged) has failed with `timeout`, so a
+hang is found while idle rather than by the next request's deadline.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
 
 import trio
 
 from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefused
+from lanehost.protocol import MAX_BUFFERS
 from machine.lanes import Lane
-from supervisor.lane_buffers import LaneBuffers
+from supervisor.lane_buffers import BUFFERS_PER_INVOCATION, LaneBuffers
 from supervisor.lane_host_errors import LaneHostError, LaneHostFailed
 from supervisor.lane_jobs import LaneJobRunner
 from supervisor.lane_queue import FairQueue, Full
@@ -45,9 +54,11 @@ from supervisor.lane_work import (
     lane_op,
 )
 
-__all__ = ["LaneBusy", "LaneOwner", "LaneWorkError"]
+__all__ = ["LaneBusy", "LaneOwner", "LaneRecovery", "LaneWorkError"]
 
 log = logging.getLogger(__name__)
+
+_PROBLEM_CHARS = 200  # of the last host failure, in a faulted lane's reason
 
 # The host's refusals as the edge answers them; anything else is the caller's args (422).
 _HOST_CODES = {
@@ -57,6 +68,23 @@ _HOST_CODES = {
     "too_many_buffers": (429, "too_many_buffers"),
     "unknown_kernel": (422, "unknown_kernel"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneRecovery:
+    """How a lane owner watches its host while idle and brings a faulted lane back."""
+
+    heartbeat_interval: float = 2.0  # seconds without an answer from the host before asking
+    heartbeat_timeout: float = 2.0  # for it to answer the heartbeat
+    retry_initial: float = 1.0  # before the first probe of a faulted lane
+    retry_max: float = 60.0  # the wait doubles after each failed probe, up to this
+
+
+@runtime_checkable
+class _Heartbeat(Protocol):
+    """A host that answers `stats`, the protocol's cheapest request (`LaneHost` does)."""
+
+    async def stats(self, *, seconds: float | None = None) -> object: ...
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,19 +108,24 @@ class LaneOwner:
         *,
         is_live: Callable[[str], bool],
         usable: Callable[[str], bool],
-        on_fault: Callable[[str], None],
+        on_fault: Callable[[str, str], None],
+        on_recovered: Callable[[str], None] = lambda _lane: None,
         on_host_failed: Callable[[str, Iterable[str]], None] = lambda _lane, _subs: None,
         on_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
         share: int = 8,
         max_queued_invocations: int = 1024,
-        max_buffers: int = 4096,
+        max_buffers: int = MAX_BUFFERS,
+        max_buffers_per_invocation: int = BUFFERS_PER_INVOCATION,
         max_restarts: int = 5,
         window: float = 60.0,
+        recovery: LaneRecovery = LaneRecovery(),
     ) -> None:
         self.lane = lane
         self._validator = validator
         self._host_factory = host_factory
         self._on_fault = on_fault
+        self._on_recovered = on_recovered
+        self._recovery = recovery
         self._on_host_failed = on_host_failed
         self.share = share  # jobs one invocation may have queued on this lane
         self._queue = FairQueue[_Job](share=share, max_keys=max_queued_invocations)
@@ -105,12 +138,17 @@ class LaneOwner:
             usable=usable,
             on_host_call=on_host_call,
             max_buffers=max_buffers,
+            max_buffers_per_invocation=max_buffers_per_invocation,
         )
         self._max_restarts = max_restarts
         self._window = window
         self.restarts: deque[float] = deque(maxlen=max_restarts + 1)
         self.host_starts = 0
         self.faulted = False
+        self.fault_reason = ""  # why the lane is out of service, while it is
+        self.retry_delay = recovery.retry_initial  # the wait before the next probe
+        self.next_probe_at: float | None = None  # trio time, while a faulted lane waits
+        self._recovered_at: float | None = None  # when a probe last brought the lane back
         self.stopped = False
         self._host: LaneDevice | None = None
         self._current: _Job | None = None
@@ -120,6 +158,7 @@ class LaneOwner:
         self.first_start = trio.Event()  # the first host answered its hello, or failed to
         self._exited: LaneDevice | None = None  # a host seen to exit on its own
         self._idle: trio.CancelScope | None = None  # set while waiting for work
+        self._freeing = 0  # `free_invocation` calls to the host in flight (other tasks')
 
     # -- what other tasks call ------------------------------------------------------
     def identify(self, token: str) -> Claims:
@@ -200,14 +239,20 @@ class LaneOwner:
             await current.done.wait()
         ids = self._buffers.of(invocation_id)
         freed = self._buffers.nbytes(ids)
-        await self._jobs.free(self._host, ids)
+        self._freeing += 1  # the host is asked something: no heartbeat queues behind it
+        try:
+            await self._jobs.free(self._host, ids)
+        finally:
+            self._freeing -= 1
         return freed
 
     # -- the owner task ---------------------------------------------------------------
     async def run(self) -> None:
         """Start the lane's host and serve until cancelled, restarting owner and host
-        after a crash or a host failure with bounded intensity. Each host's process
-        is watched beside the work, so one that dies while idle is replaced at once."""
+        after a crash or a host failure with bounded intensity; past it the lane is
+        out of service and probed with backoff until a host starts again. Each host's
+        process is watched beside the work, so one that dies while idle is replaced
+        at once, and an idle host is sent heartbeats, so one that hangs is too."""
         async with trio.open_nursery() as watchers:
             await self._supervise(watchers)
             watchers.cancel_scope.cancel()
@@ -225,21 +270,12 @@ class LaneOwner:
                     log.exception("lane owner %s crashed", self.lane.lane_id)
                     self._restarting(f"the lane owner crashed: {exc!r}")
                     await self._lose_host()
-                now = trio.current_time()
-                self.restarts.append(now)
-                recent = [t for t in self.restarts if now - t <= self._window]
-                if len(recent) > self._max_restarts:
-                    self.faulted = True
-                    self.host_status = "faulted"
-                    log.error(
-                        "lane %s: its host failed too often; out of service", self.lane.lane_id
-                    )
-                    if self.lane.is_gpu:
-                        # The CPU pool's processes and builtins never use its host:
-                        # only the lane work refused here goes with it.
-                        self._on_fault(self.lane.lane_id)
-                    self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
-                    return
+                if self.faulted:  # a probe failed: wait twice as long for the next
+                    self.retry_delay = min(self.retry_delay * 2, self._recovery.retry_max)
+                elif self._too_many_restarts():
+                    self._fault()
+                if self.faulted:
+                    await self._wait_for_probe()
         finally:
             # Cancelled (shutdown): nobody will serve what is queued; answer it now.
             self.stopped = True
@@ -251,8 +287,65 @@ class LaneOwner:
                 await self._close_host()
 
     def _restarting(self, problem: str) -> None:
-        self.host_status, self.host_problem = "restarting", problem
+        if not self.faulted:  # a faulted lane's failed probe: it stays out of service
+            self.host_status = "restarting"
+        self.host_problem = problem
         self.first_start.set()
+
+    def _too_many_restarts(self) -> bool:
+        now = trio.current_time()
+        self.restarts.append(now)
+        return sum(now - t <= self._window for t in self.restarts) > self._max_restarts
+
+    def _fault(self) -> None:
+        """Out of service: its work is refused, a GPU lane leaves allocatable (the CPU
+        pool's processes and builtins never use its host: only its lane work goes),
+        and the lane is shown unhealthy until a probe brings it back."""
+        now = trio.current_time()
+        flapping = self._recovered_at is not None and now - self._recovered_at <= self._window
+        # Back and out again within the window: wait longer than last time.
+        self.retry_delay = (
+            min(self.retry_delay * 2, self._recovery.retry_max)
+            if flapping
+            else self._recovery.retry_initial
+        )
+        self.faulted, self.host_status = True, "faulted"
+        what = "out of service" if self.lane.is_gpu else "its lane work refused"
+        self.fault_reason = (
+            f"lane_host_failed: its lane host failed too often"
+            f" ({self.host_problem[:_PROBLEM_CHARS]}); {what} until a new host answers"
+        )
+        log.error("lane %s: its host failed too often; %s", self.lane.lane_id, what)
+        self._on_fault(self.lane.lane_id, self.fault_reason)
+        self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
+
+    async def _wait_for_probe(self) -> None:
+        self.next_probe_at = trio.current_time() + self.retry_delay
+        log.info("lane %s: probing a new host in %s s", self.lane.lane_id, self.retry_delay)
+        await trio.sleep(self.retry_delay)
+
+    def _recover(self) -> None:
+        """A probe's host answered its hello: back in service, with a fresh window."""
+        self.faulted, self.fault_reason, self.next_probe_at = False, "", None
+        self.restarts.clear()
+        self._recovered_at = trio.current_time()
+        log.warning("lane %s: a new host answered; back in service", self.lane.lane_id)
+        self._on_recovered(self.lane.lane_id)
+
+    async def _heartbeat(self, host: LaneDevice) -> None:
+        """Ask an idle host something cheap; no answer in time and it has failed."""
+        seconds = self._recovery.heartbeat_timeout
+        # LaneHost bounds (and ends) its own request; this bounds any other device. A
+        # request cancelled halfway ends the host, as one that timed out does.
+        with trio.move_on_after(seconds) as late:
+            if isinstance(host, _Heartbeat):
+                await host.stats(seconds=seconds)
+            else:
+                await host.run("noop", {}, {})
+        if late.cancelled_caught:
+            raise LaneHostFailed(
+                self.lane.lane_id, "timeout", f"no answer to a heartbeat in {seconds} s"
+            )
 
     async def _watch(self, host: LaneDevice) -> None:
         """Notice the host's process exiting on its own, even with no work for it."""
@@ -290,18 +383,26 @@ class LaneOwner:
         host = self._host = self._host_factory(self.lane)
         self.host_starts += 1
         await host.start()
+        if self.faulted:
+            self._recover()  # the probe's hello answered
         self.host_status, self.host_problem = "ready", ""
         self.first_start.set()
         watchers.start_soon(self._watch, host)
+        heard = trio.current_time()  # when the host last answered
         while True:
             if self._exited is host:
                 raise LaneHostFailed(self.lane.lane_id, "crashed", "the lane host exited")
-            with trio.CancelScope() as idle:
+            # Wait for work, but not longer than the heartbeat interval.
+            with trio.CancelScope(deadline=heard + self._recovery.heartbeat_interval) as idle:
                 self._idle = idle
                 job = await self._queue.get()
             self._idle = None
             if idle.cancelled_caught:
-                continue  # the watcher saw the host exit
+                if self._exited is not host:  # not the watcher: quiet for an interval
+                    if not self._freeing:  # (a free in flight is bounded by its own deadline)
+                        await self._heartbeat(host)
+                    heard = trio.current_time()
+                continue
             self._current = job
             try:
                 job.reply, job.data = await self._jobs.handle(host, job.token, job.work)
@@ -325,6 +426,7 @@ class LaneOwner:
             finally:
                 self._current = None
                 job.done.set()
+            heard = trio.current_time()
             await self._undo_unclaimed_reserve(job)
 
     async def _undo_unclaimed_reserve(self, job: _Job) -> None:

@@ -3,7 +3,9 @@ the test's own process, plus kernels that take (mock-clock) time or misbehave.
 
 `sleep` waits `seconds` of trio time, `boom` raises what no kernel should (the
 owner crashes), `crash` makes the host fail like a dead process. `die()` ends
-a host as if its process exited while idle.
+a host as if its process exited while idle; `hang()` makes it answer nothing
+more, as a SIGSTOPped process would. The factory can make the hosts it makes
+from then on fail to start (`refuse_starts`) or wait at start (`start_gate`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from lanehost.protocol import (
     Run,
     RunReply,
     Scalar,
+    Stats,
+    StatsReply,
     Write,
     WriteReply,
 )
@@ -52,11 +56,18 @@ class InProcessHost:
         self.state = LaneState(select_backend("numpy"), lane.vram_bytes, load_kernels())
         self.dead = False
         self.closed = False
+        self.hung = False
+        self.heartbeats = 0  # `stats` requests
+        self.refuse_start = False
+        self.start_gate: trio.Event | None = None
         self._ids = 0
         self._exited = trio.Event()
+        self._resumed = trio.Event()
 
     async def _call(self, request: Request, expected: type[_R]) -> _R:
         await trio.lowlevel.checkpoint()
+        if self.hung and not self.closed:
+            await self._resumed.wait()  # stopped: no answer until resumed, killed or given up on
         if self.dead or self.closed:
             raise LaneHostFailed(self.lane_id, "crashed", "the lane host is not running")
         self._ids += 1
@@ -67,11 +78,17 @@ class InProcessHost:
         return reply
 
     async def start(self) -> HelloReply:
+        if self.start_gate is not None:
+            await self.start_gate.wait()
+        if self.refuse_start:
+            self.die()
+            raise LaneHostFailed(self.lane_id, "start_failed", "the lane host would not start")
         return await self._call(Hello(id=1, version=PROTOCOL_VERSION), HelloReply)
 
     async def aclose(self) -> None:
         self.closed = True
         self._exited.set()
+        self._resumed.set()  # a stopped process that is killed answers its pipe with EOF
 
     async def wait_exited(self) -> None:
         await self._exited.wait()
@@ -79,6 +96,19 @@ class InProcessHost:
     def die(self) -> None:
         self.dead = True
         self._exited.set()
+
+    def hang(self) -> None:
+        """Stop answering, without exiting (a SIGSTOPped process)."""
+        self.hung = True
+
+    def resume(self) -> None:
+        """Answer again (SIGCONT): what was asked meanwhile is answered now."""
+        self.hung = False
+        self._resumed.set()
+
+    async def stats(self, *, seconds: float | None = None) -> StatsReply:
+        self.heartbeats += 1
+        return await self._call(Stats(id=1), StatsReply)
 
     async def alloc(self, buffer_id: str, dtype: str, shape: Sequence[int]) -> int:
         msg = Alloc(id=1, buffer_id=buffer_id, dtype=dtype, shape=tuple(shape))  # type: ignore[arg-type]
@@ -118,10 +148,15 @@ class InProcessHosts:
 
     def __init__(self) -> None:
         self.made: defaultdict[str, list[InProcessHost]] = defaultdict(list)
+        self.made_at: defaultdict[str, list[float]] = defaultdict(list)  # trio time of each
+        self.refuse_starts = False  # hosts made from now on fail to start
+        self.start_gate: trio.Event | None = None  # hosts made from now on wait for it to start
 
     def __call__(self, lane: Lane) -> InProcessHost:
         host = InProcessHost(lane)
+        host.refuse_start, host.start_gate = self.refuse_starts, self.start_gate
         self.made[lane.lane_id].append(host)
+        self.made_at[lane.lane_id].append(trio.current_time())
         return host
 
     def current(self, lane_id: str) -> InProcessHost:

@@ -35,6 +35,7 @@ from tests.adversarial.fixtures import (
 )
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 from tests.helpers import stop
+from tests.lane_doubles import InProcessHosts
 
 pytestmark = pytest.mark.hostile("faults")
 
@@ -246,6 +247,9 @@ async def test_faults_lane_owner_crash_restarts_then_faults_lane_past_intensity(
             # Restarted: the next piece of work is served.
             assert (await running.client.post(work, json=noop, headers=bearer(token))).is_success
         assert not _faulted(owner)
+        # A faulted lane is probed after 1 s: keep it out while this test looks at it.
+        assert isinstance(owner._host_factory, InProcessHosts)
+        owner._host_factory.refuse_starts = True
         reply = await running.client.post(work, json=crash, headers=bearer(token))
         assert reply.status_code in (500, 503)
         assert _faulted(owner)

@@ -9,7 +9,7 @@ import numpy as np
 import trio
 
 from supervisor.lane_work import MAX_TRANSFER_BYTES
-from tests.api_fixtures import bearer, running_daemon
+from tests.api_fixtures import bearer, builtin_request, running_daemon
 from tests.integration.test_api_lanes import error_code, gpu_request, submit
 
 N = 32768
@@ -88,3 +88,61 @@ async def test_upload_execute_download_and_their_bounds(tmp_path: pathlib.Path) 
         # Nothing refused changed the buffer.
         again = await client.get(f"{url}?length={4 * N}", headers=auth)
         np.testing.assert_array_equal(np.frombuffer(again.content, np.float32), values)
+
+
+async def test_an_integer_past_64_bits_is_bad_args_and_the_co_tenant_keeps_its_buffer(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The report: any lane token, even the CPU pool's execute-only one, sent an arg
+    of 2**70; framing it for the host raised, the caller got 503 `lane_owner_crashed`,
+    the buffer holders on the lane were cancelled and six of these faulted the lane."""
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=30) as client,
+    ):
+        lane, holder = next(iter((await submit(client, node, gpu_request("b1")))["tokens"].items()))
+        hostile_lane, hostile = next(
+            iter((await submit(client, node, gpu_request("b2")))["tokens"].items())
+        )
+        assert hostile_lane == lane  # shared work packs onto one GPU
+        cpu_lane, cpu = next(
+            iter(
+                (await submit(client, node, builtin_request("b3", args={"seconds": 60})))[
+                    "tokens"
+                ].items()
+            )
+        )
+        reserve = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "memory_reserve", "dtype": "uint8", "shape": [16]},
+            headers=bearer(holder),
+        )
+        assert reserve.status_code == 200, reserve.text
+        buf = reserve.json()["buffer_id"]
+        url = f"/v1/lanes/{lane}/buffers/{buf}"
+        put = await client.put(url, content=bytes(range(16)), headers={**bearer(holder), **OCTETS})
+        assert put.status_code == 200, put.text
+        sup = node.daemon.supervisor
+        assert sup is not None
+        starts = {name: sup.owners[name].host_starts for name in (lane, cpu_lane)}
+        body = b'{"op":"execute","kernel":"noop","args":{"x":1180591620717411303424}}'
+        for target, token in [(lane, hostile)] * 6 + [(cpu_lane, cpu)] * 6:
+            reply = await client.post(
+                f"/v1/lanes/{target}/work",
+                content=body,
+                headers={**bearer(token), "Content-Type": "application/json"},
+            )
+            assert (reply.status_code, error_code(reply)) == (422, "bad_args"), reply.text
+        assert {name: sup.owners[name].host_starts for name in starts} == starts
+        assert not any(sup.owners[name].faulted for name in starts)
+        for invocation in ("b1", "b2", "b3"):
+            got = await client.get(f"/v1/invocations/{invocation}", headers=bearer(node.scheduler))
+            assert got.json()["state"] == "running", got.text
+        kept = await client.get(f"{url}?length=16", headers=bearer(holder))
+        assert kept.status_code == 200 and kept.content == bytes(range(16))
+        noop = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "execute", "kernel": "noop"},
+            headers=bearer(hostile),
+        )
+        assert noop.status_code == 200, noop.text

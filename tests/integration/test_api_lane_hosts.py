@@ -1,26 +1,29 @@
 """Real lane host processes behind a running daemon: readiness waits for every
-host's hello, and a host that dies while idle is noticed and replaced at once."""
+host's hello, a host that dies while idle is noticed and replaced at once, and
+one that hangs while idle is found by the owner's heartbeat."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import pathlib
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import trio
 
 from node.daemon import Daemon
+from supervisor.core import Supervisor
 from supervisor.lane_host import LaneHost
 from supervisor.lane_owner import LaneOwner
 from tests.api_fixtures import bearer, daemon_config, running_daemon
 from tests.integration.test_api_lanes import gpu_request, submit
-from tests.lanehost_fixtures import wait_gone
+from tests.lanehost_fixtures import process_gone, wait_gone
 
 TERMINAL = {"succeeded", "failed", "cancelled", "timed_out"}
 
@@ -85,10 +88,15 @@ async def test_a_host_killed_while_idle_is_replaced_and_its_holders_cancelled(
         assert (await client.get("/readyz")).status_code == 200
 
 
-async def test_readyz_waits_for_every_lane_host_and_names_one_restarting(
-    tmp_path: pathlib.Path,
-) -> None:
+@contextlib.asynccontextmanager
+async def gated_daemon(
+    tmp_path: pathlib.Path, *, open_gate: bool = False
+) -> AsyncIterator[tuple[Supervisor, httpx.AsyncClient, pathlib.Path]]:
+    """A daemon whose lane hosts greet only while the gate file exists (shut at
+    first unless `open_gate`): its supervisor, a client, and the gate."""
     gate = tmp_path / "gate"
+    if open_gate:
+        gate.touch()
     script = tmp_path / "gated_host.py"
     script.write_text(GATED_HOST)
     command = json.dumps([sys.executable, str(script), str(gate)])
@@ -97,38 +105,79 @@ async def test_readyz_waits_for_every_lane_host_and_names_one_restarting(
         nursery.start_soon(daemon.run)
         try:
             await _until(lambda: daemon.url and daemon.supervisor is not None)
-            sup = daemon.supervisor
-            assert sup is not None
+            assert daemon.supervisor is not None
             async with httpx.AsyncClient(base_url=daemon.url, timeout=10) as client:
-                # No host has answered its hello: not ready, every lane named.
-                waiting = await client.get("/readyz")
-                assert waiting.status_code == 503
-                reason = waiting.json()["error"]["details"]["reasons"]["lane_hosts"]
-                for lane_id in sup.owners:
-                    assert f"{lane_id} (starting)" in reason
-                gate.touch()
-
-                async def ready() -> bool:
-                    return (await client.get("/readyz")).status_code == 200
-
-                await _until(ready)
-                # One host dies and its replacement is slow to greet: named as restarting.
-                gate.unlink()
-                lane_id, owner = next(iter(sorted(sup.owners.items())))
-                pid = _host_pid(owner)
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
-
-                async def restarting() -> Any:
-                    reply = await client.get("/readyz")
-                    return reply if reply.status_code == 503 else None
-
-                reply = await _until(restarting)
-                reason = reply.json()["error"]["details"]["reasons"]["lane_hosts"]
-                assert f"{lane_id} (restarting: crashed" in reason
-                assert all(other not in reason for other in sup.owners if other != lane_id)
-                gate.touch()
-                await _until(ready)
+                yield daemon.supervisor, client, gate
         finally:
             daemon.stop.set()
             nursery.cancel_scope.deadline = trio.current_time() + 30
+
+
+def _is_ready(client: httpx.AsyncClient) -> Callable[[], Any]:
+    async def ready() -> bool:
+        return (await client.get("/readyz")).status_code == 200
+
+    return ready
+
+
+def _not_ready(client: httpx.AsyncClient) -> Callable[[], Any]:
+    async def not_ready() -> httpx.Response | None:
+        reply = await client.get("/readyz")
+        return reply if reply.status_code == 503 else None
+
+    return not_ready
+
+
+async def test_readyz_waits_for_every_lane_host_and_names_one_restarting(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with gated_daemon(tmp_path) as (sup, client, gate):
+        # No host has answered its hello: not ready, every lane named.
+        waiting = await client.get("/readyz")
+        assert waiting.status_code == 503
+        reason = waiting.json()["error"]["details"]["reasons"]["lane_hosts"]
+        for lane_id in sup.owners:
+            assert f"{lane_id} (starting)" in reason
+        gate.touch()
+        await _until(_is_ready(client))
+        # One host dies and its replacement is slow to greet: named as restarting.
+        gate.unlink()
+        lane_id, owner = next(iter(sorted(sup.owners.items())))
+        pid = _host_pid(owner)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        reply = await _until(_not_ready(client))
+        reason = reply.json()["error"]["details"]["reasons"]["lane_hosts"]
+        assert f"{lane_id} (restarting: crashed" in reason
+        assert all(other not in reason for other in sup.owners if other != lane_id)
+        gate.touch()
+        await _until(_is_ready(client))
+
+
+async def test_a_stopped_idle_host_is_found_by_heartbeat_and_readyz_names_its_lane(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A SIGSTOPped host neither exits nor answers: the owner's heartbeat finds it
+    while idle (no request is made), kills it and starts another; /readyz names
+    the lane until the replacement greets (held here at the gate)."""
+    stopped: int | None = None
+    async with gated_daemon(tmp_path, open_gate=True) as (sup, client, gate):
+        try:
+            await _until(_is_ready(client))
+            gate.unlink()  # the replacement will wait to greet
+            lane_id, owner = next(iter(sorted(sup.owners.items())))
+            stopped = _host_pid(owner)
+            assert stopped is not None
+            os.kill(stopped, signal.SIGSTOP)
+            # A heartbeat after 2 s of quiet, 2 s to answer it: found within 5 s.
+            reply = await _until(_not_ready(client), seconds=5)
+            reason = reply.json()["error"]["details"]["reasons"]["lane_hosts"]
+            assert f"{lane_id} (restarting: timeout" in reason
+            assert all(other not in reason for other in sup.owners if other != lane_id)
+            assert await wait_gone(stopped)  # killed, though stopped
+            gate.touch()
+            await _until(_is_ready(client))
+            assert _host_pid(owner) not in (None, stopped) and owner.host_starts == 2
+        finally:
+            if stopped is not None and not process_gone(stopped):
+                os.kill(stopped, signal.SIGKILL)

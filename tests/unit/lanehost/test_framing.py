@@ -8,14 +8,17 @@ import threading
 import numpy as np
 import pytest
 
+from lanehost.host import _send
 from lanehost.protocol import (
     HEADER,
     MAX_DATA_BYTES,
     SMALL_READ,
+    ErrorReply,
     FrameError,
     FrameReader,
     ReadReply,
     Run,
+    RunReply,
     Write,
     decode_reply,
     decode_request,
@@ -86,3 +89,37 @@ def test_large_frames_are_read_into_one_kept_buffer() -> None:
     assert isinstance(first, memoryview) and isinstance(second, memoryview)
     assert first.obj is second.obj  # the second large frame reused the first one's memory
     assert isinstance(small, bytearray)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Run(id=5, kernel="noop", args={"x": 2**70}),
+        Run(id=5, kernel="noop", args={"x": object()}),  # type: ignore[dict-item]
+        RunReply(id=5, result={"v": -(2**64)}),
+        Write(id=5, buffer_id="b", offset=2**64, data=memoryview(bytes(SMALL_READ))),
+    ],
+    ids=["2**70", "an object", "-2**64", "a large write at 2**64"],
+)
+def test_a_message_msgpack_cannot_carry_is_a_frame_error_and_nothing_is_written(
+    message: Run | RunReply | Write,
+) -> None:
+    with pytest.raises(FrameError, match="does not encode"):
+        encode(message)
+    with pytest.raises(FrameError, match="does not encode"):
+        frame(message)
+
+
+def test_a_kernel_result_msgpack_cannot_carry_is_answered_kernel_failed() -> None:
+    """A plugin kernel's result of 2**70 once raised out of the host's reply and
+    ended the host, and every tenant's buffers in it; now the request fails alone."""
+    read_end, write_end = os.pipe()
+    try:
+        _send(write_end, RunReply(id=5, result={"v": 2**70}))
+        raw = os.read(read_end, 65536)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    reply = decode_reply(raw[HEADER.size :])
+    assert frame_length(raw[: HEADER.size]) == len(raw) - HEADER.size
+    assert isinstance(reply, ErrorReply) and (reply.id, reply.code) == (5, "kernel_failed")

@@ -6,7 +6,14 @@ import pytest
 
 from machine.health import HealthState
 from machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
-from machine.lanes import Isolation, LaneKind, Requirement, build_lanes, lane_id_for
+from machine.lanes import (
+    CPU_POOL_UUID,
+    Isolation,
+    LaneKind,
+    Requirement,
+    build_lanes,
+    lane_id_for,
+)
 from machine.ledger import (
     Ledger,
     RefusalReason,
@@ -205,6 +212,28 @@ def test_recovered_device_is_allocatable_again() -> None:
     assert refused(led, ded) is RefusalReason.LANE_UNHEALTHY
     led.set_device_health(G1, HealthState.HEALTHY)
     assert led.reserve(ded).visible_devices == (G1,)
+
+
+def test_a_lanes_own_faults_show_with_their_reasons_and_clear_by_cause() -> None:
+    led = ledger()
+    g1, cpu = lane_id_for(G1), lane_id_for(CPU_POOL_UUID)
+    led.fault_lane(g1, "host: failed too often", cause="lane_host")
+    led.fault_lane(g1, "process_stuck", cause="process")
+    assert not led.available(g1) and led.lane_health(g1) is HealthState.UNHEALTHY
+    assert led.lane_health_shown(g1) is HealthState.UNHEALTHY
+    assert led.lane_fault(g1) == "host: failed too often; process_stuck"
+    led.clear_lane_fault(g1, "lane_host")  # the host is back; the stuck process is not
+    assert not led.available(g1) and led.lane_fault(g1) == "process_stuck"
+    led.clear_lane_fault(g1, "process")
+    assert led.available(g1) and led.lane_fault(g1) is None
+    assert led.lane_health_shown(g1) is HealthState.HEALTHY
+    # The CPU pool's lane host faulted: shown unhealthy, still allocatable for its processes.
+    led.fault_lane(cpu, "host: failed too often", cause="lane_host", allocatable=True)
+    assert led.available(cpu) and led.lane_health(cpu) is HealthState.HEALTHY
+    assert led.lane_health_shown(cpu) is HealthState.UNHEALTHY
+    assert led.reserve(req("p", requirement=Requirement.CPU)).lanes[0].lane_id == cpu
+    led.clear_lane_fault(cpu)
+    assert led.lane_health_shown(cpu) is HealthState.HEALTHY and led.lane_fault(cpu) is None
 
 
 def test_no_lane_without_mig_or_gpus() -> None:

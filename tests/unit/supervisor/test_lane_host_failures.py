@@ -28,7 +28,7 @@ from lanehost.protocol import (
     encode,
     frame_length,
 )
-from supervisor.lane_host import LaneHost, LaneHostFailed, host_environment
+from supervisor.lane_host import LaneHost, LaneHostError, LaneHostFailed, host_environment
 from supervisor.spawn import spawn
 from tests.lanehost_fixtures import BUDGET, HELLO_THEN, fake_host, host, process_gone, wait_gone
 
@@ -184,6 +184,26 @@ async def test_a_garbled_reply_kills_the_host(tmp_path: pathlib.Path, garbage: s
         await lane.run("noop")
     assert caught.value.reason == "protocol"
     assert lane.pid is not None and process_gone(lane.pid)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{"x": 2**70}, {"x": -(2**64)}, {"x": object()}, {"x": 1j}, {("a",): 1}],
+    ids=["2**70", "-2**64", "an object", "a complex", "a tuple key"],
+)
+async def test_a_request_that_cannot_be_encoded_is_refused_and_the_host_serves_on(
+    host: LaneHost, args: dict[Any, Any]
+) -> None:
+    """msgpack refusing a value while the request is framed is that request's
+    `bad_args`: nothing was sent, so the host is neither killed nor out of step."""
+    pid = host.pid
+    await host.alloc("a", "uint8", (4,))
+    with pytest.raises(LaneHostError) as refused:
+        await host.run("noop", args)
+    assert refused.value.code == "bad_args"
+    assert host.running and host.pid == pid and not process_gone(pid or 0)
+    assert await host.run("noop") == {}
+    assert (await host.stats()).buffers == 1
 
 
 def test_the_host_refuses_an_oversized_frame_without_reading_it() -> None:
