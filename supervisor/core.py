@@ -125,7 +125,7 @@ class Supervisor:
                     usable=machine.ledger.available,
                     on_fault=self._health.lane_host_faulted,
                     on_recovered=self._health.lane_recovered,
-                    on_host_failed=self._health.lane_host_failed,
+                    on_session_failed=self._health.lane_session_failed,
                     on_host_call=on_lane_host_call,
                     max_buffers_per_invocation=lane_buffers_per_invocation,
                 ),

@@ -96,15 +96,12 @@ class HealthCoupling:
         )
         self._state.on_change()
 
-    def lane_host_failed(self, lane_id: str, holders: Iterable[str]) -> None:
-        """A lane host died with their buffers: nothing they computed there is left."""
-        for sub in holders:
-            inv = self._state.live.get(sub)
-            if inv is not None:
-                inv.cancel("lane_host_failed")
-        self._state.events.publish(
-            NodeEvent(kind=EventKind.lane, at=utc_now(), lane_id=lane_id, to_state="host_restarted")
-        )
+    def lane_session_failed(self, lane_id: str, invocation_id: str, reason: str) -> None:
+        """An invocation's own lane session failed (`kernel_timeout`, `lane_session_failed`):
+        its buffers went with its host, so it ends with that reason; nobody else does."""
+        inv = self._state.live.get(invocation_id)
+        if inv is not None:
+            inv.cancel(reason)
 
     def lane_hosts_problem(self) -> str | None:
         """Lanes whose host has not answered its hello yet, or not again since it

@@ -56,10 +56,6 @@ class LaneBuffers:
         """The lane memory no invocation holds."""
         return self.capacity - self.used_bytes
 
-    def holders(self) -> set[str]:
-        """The invocations that hold any of the lane's memory."""
-        return set(self._held)
-
     def holds_any(self, invocation_id: str) -> bool:
         return invocation_id in self._counts
 
@@ -101,7 +97,8 @@ class LaneBuffers:
         else:
             self._counts.pop(invocation_id, None)
 
-    def clear(self) -> None:
-        self._buffers.clear()
-        self._held.clear()
-        self._counts.clear()
+    def forget(self, invocation_id: str) -> None:
+        """Forget every buffer of the invocation: its session's host, which held
+        them, is gone."""
+        for buffer_id in self.of(invocation_id):
+            self.drop(buffer_id)

@@ -1,28 +1,32 @@
-"""Lane owners: one trio task per lane owns that lane's mutable state and its host.
+"""Lane owners: one trio task per lane owns that lane's state, its sessions and its sentinel.
 
-The presented capability token is checked before anything is queued (a
-junk or foreign token never takes a place), then work waits in the lane's
-`FairQueue`: each invocation has its own bounded share, served in turn, and a
-full share refuses at once (`LaneBusy`, 429 at the edge). When its turn comes
-the owner validates the token again for this lane, the operation and the
-VRAM the invocation would then hold. An owner that crashes is restarted; more than
-`max_restarts` crashes within `window` seconds fault the lane and its pending
-work is refused; a GPU lane also leaves allocatable, while the CPU pool keeps
-its processes and builtins (they never use its host). Either way the lane is
-shown unhealthy with the reason (`on_fault`). A faulted lane is probed with
-backoff (`LaneRecovery`: 1 s, doubling to 60 s): the probe starts a host, and
-its answered hello returns the lane to service by itself, with a fresh restart
-window (`on_recovered`); a failed probe doubles the wait.
+The presented capability token is checked before anything is queued (a junk or
+foreign token never takes a place). The work then goes to the invocation's own
+lane session (`supervisor.lane_session`): a lane host process of its own on this
+lane, started at its first request, holding only its buffers, serving its jobs in
+order from a bounded queue (a full one is `LaneBusy`, 429 at the edge) and ended
+with the invocation. Whatever one invocation's work does to its host (overrun the
+kernel deadline, crash it, exhaust its memory, hang it) ends that session and (at
+most) that invocation, with a typed reason (`kernel_timeout`,
+`lane_session_failed`); every other invocation's buffers and requests live in
+other processes and go on. At most `max_sessions` invocations hold a session on
+the lane at once.
 
-The work runs in the lane's host process (one per lane, started here): the
-owner keeps which buffer belongs to which invocation (`supervisor.lane_buffers`)
-and forwards only ids the caller holds (`supervisor.lane_jobs` runs each job).
-A host that crashes, hangs or garbles is replaced, counted against the same
-restart limits; the invocations that held buffers in it are cancelled
-(`on_host_failed`), and its memory is accounted back. An idle host is asked
-for its `stats` every `heartbeat_interval` seconds: one that does not answer
-within `heartbeat_timeout` (stopped, wedged) has failed with `timeout`, so a
-hang is found while idle rather than by the next request's deadline.
+The owner keeps the lane's book of buffers (`supervisor.lane_buffers`): which
+invocation holds which buffer, the bytes held against the lane's memory, and the
+bounds per invocation and per lane; `supervisor.lane_jobs` checks and runs each
+job. When its turn comes a job's token is validated again for this lane, the
+operation and the VRAM the invocation would then hold.
+
+The lane's own health is its sentinel's: a host that holds no tenant's buffers,
+started first (readiness waits for its hello) and sent a heartbeat while idle. A
+sentinel that fails is replaced; more than `max_restarts` failures within
+`window` seconds fault the lane: its sessions are ended, a GPU lane also leaves
+allocatable, while the CPU pool keeps its processes and builtins (they never use
+a host), and the lane is shown unhealthy with the reason (`on_fault`). A faulted
+lane is probed with backoff (`LaneRecovery`: 1 s, doubling to 60 s): the probe
+starts a sentinel, and its answered hello returns the lane to service by itself,
+with a fresh restart window (`on_recovered`); a failed probe doubles the wait.
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
 
 import trio
 
@@ -39,18 +42,16 @@ from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefus
 from lanehost.protocol import MAX_BUFFERS
 from machine.lanes import Lane
 from supervisor.lane_buffers import BUFFERS_PER_INVOCATION, LaneBuffers
-from supervisor.lane_host_errors import LaneHostError, LaneHostFailed
+from supervisor.lane_host_errors import LaneHostFailed
 from supervisor.lane_jobs import LaneJobRunner
-from supervisor.lane_queue import FairQueue, Full
+from supervisor.lane_session import LaneSession, SessionJob, heartbeat
 from supervisor.lane_work import (
     Download,
-    KernelError,
     LaneBusy,
     LaneDevice,
     LaneJob,
     LaneWorkError,
     LaneWorkReply,
-    MemoryReserve,
     lane_op,
 )
 
@@ -59,44 +60,20 @@ __all__ = ["LaneBusy", "LaneOwner", "LaneRecovery", "LaneWorkError"]
 log = logging.getLogger(__name__)
 
 _PROBLEM_CHARS = 200  # of the last host failure, in a faulted lane's reason
-
-# The host's refusals as the edge answers them; anything else is the caller's args (422).
-_HOST_CODES = {
-    "unknown_buffer": (404, "buffer_not_found"),
-    "out_of_range": (416, "out_of_range"),
-    "out_of_memory": (409, "insufficient_vram"),
-    "too_many_buffers": (429, "too_many_buffers"),
-    "unknown_kernel": (422, "unknown_kernel"),
-}
+# Invocations with a lane session on one lane at once: the default --max-running,
+# so every running invocation can have one; each is a process (about 31 MiB of
+# host memory with NumPy, a CUDA context on a GPU).
+SESSIONS_PER_LANE = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class LaneRecovery:
-    """How a lane owner watches its host while idle and brings a faulted lane back."""
+    """How a lane owner watches its hosts while idle and brings a faulted lane back."""
 
-    heartbeat_interval: float = 2.0  # seconds without an answer from the host before asking
+    heartbeat_interval: float = 2.0  # seconds without an answer from a host before asking
     heartbeat_timeout: float = 2.0  # for it to answer the heartbeat
     retry_initial: float = 1.0  # before the first probe of a faulted lane
     retry_max: float = 60.0  # the wait doubles after each failed probe, up to this
-
-
-@runtime_checkable
-class _Heartbeat(Protocol):
-    """A host that answers `stats`, the protocol's cheapest request (`LaneHost` does)."""
-
-    async def stats(self, *, seconds: float | None = None) -> object: ...
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-    token: str
-    work: LaneJob
-    invocation_id: str  # the token's subject, checked before queueing
-    done: trio.Event = dataclasses.field(default_factory=trio.Event)
-    reply: LaneWorkReply | None = None
-    data: bytes | None = None  # a download's bytes
-    error: Exception | None = None
-    abandoned: bool = False  # the caller stopped waiting while it ran: undo a reserve
 
 
 class LaneOwner:
@@ -110,10 +87,10 @@ class LaneOwner:
         usable: Callable[[str], bool],
         on_fault: Callable[[str, str], None],
         on_recovered: Callable[[str], None] = lambda _lane: None,
-        on_host_failed: Callable[[str, Iterable[str]], None] = lambda _lane, _subs: None,
+        on_session_failed: Callable[[str, str, str], None] = lambda _lane, _sub, _code: None,
         on_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
         share: int = 8,
-        max_queued_invocations: int = 1024,
+        max_sessions: int = SESSIONS_PER_LANE,
         max_buffers: int = MAX_BUFFERS,
         max_buffers_per_invocation: int = BUFFERS_PER_INVOCATION,
         max_restarts: int = 5,
@@ -125,10 +102,10 @@ class LaneOwner:
         self._host_factory = host_factory
         self._on_fault = on_fault
         self._on_recovered = on_recovered
+        self._on_session_failed = on_session_failed
         self._recovery = recovery
-        self._on_host_failed = on_host_failed
         self.share = share  # jobs one invocation may have queued on this lane
-        self._queue = FairQueue[_Job](share=share, max_keys=max_queued_invocations)
+        self._max_sessions = max_sessions
         self._buffers = LaneBuffers(lane.vram_bytes)
         self._jobs = LaneJobRunner(
             lane,
@@ -140,25 +117,27 @@ class LaneOwner:
             max_buffers=max_buffers,
             max_buffers_per_invocation=max_buffers_per_invocation,
         )
+        self.sessions: dict[str, LaneSession] = {}  # by invocation
+        self.session_starts = 0
         self._max_restarts = max_restarts
         self._window = window
         self.restarts: deque[float] = deque(maxlen=max_restarts + 1)
-        self.host_starts = 0
+        self.host_starts = 0  # sentinels started
         self.faulted = False
         self.fault_reason = ""  # why the lane is out of service, while it is
         self.retry_delay = recovery.retry_initial  # the wait before the next probe
         self.next_probe_at: float | None = None  # trio time, while a faulted lane waits
         self._recovered_at: float | None = None  # when a probe last brought the lane back
         self.stopped = False
-        self._host: LaneDevice | None = None
-        self._current: _Job | None = None
-        # Where the host stands, for readiness: starting, ready, restarting, faulted, stopped.
+        self._host: LaneDevice | None = None  # the sentinel
+        self._nursery: trio.Nursery | None = None  # where sessions run
+        # Where the sentinel stands, for readiness: starting, ready, restarting, faulted,
+        # stopped.
         self.host_status = "starting"
         self.host_problem = ""  # why it is restarting
-        self.first_start = trio.Event()  # the first host answered its hello, or failed to
-        self._exited: LaneDevice | None = None  # a host seen to exit on its own
-        self._idle: trio.CancelScope | None = None  # set while waiting for work
-        self._freeing = 0  # `free_invocation` calls to the host in flight (other tasks')
+        self.first_start = trio.Event()  # the first sentinel answered its hello, or failed to
+        self._exited: LaneDevice | None = None  # a sentinel seen to exit on its own
+        self._idle: trio.CancelScope | None = None  # set while the sentinel idles
 
     # -- what other tasks call ------------------------------------------------------
     def identify(self, token: str) -> Claims:
@@ -176,7 +155,7 @@ class LaneOwner:
         raise refused
 
     async def request(self, token: str, work: LaneJob) -> LaneWorkReply:
-        """Check the token, queue the work in its invocation's share (never waiting
+        """Check the token, queue the work in its invocation's session (never waiting
         for room) and wait for its reply; the caller bounds the wait."""
         job = await self._submit(token, work)
         assert job.reply is not None
@@ -187,26 +166,65 @@ class LaneOwner:
         assert job.data is not None
         return job.data
 
-    async def _submit(self, token: str, work: LaneJob) -> _Job:
+    async def _submit(self, token: str, work: LaneJob) -> SessionJob:
         if self.faulted:
             raise LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
-        if self.stopped:
-            raise LaneWorkError(503, "shutting_down", "the lane owner stopped")
+        if self.stopped or self._nursery is None:
+            raise LaneWorkError(503, "shutting_down", "the lane owner is not running")
         claims = self._validator.validate(token, lane_id=self.lane.lane_id, op=lane_op(work))
-        job = _Job(token, work, claims.sub)
-        try:
-            self._queue.put_nowait(claims.sub, job)
-        except Full:
-            raise LaneBusy(self.lane.lane_id) from None
+        job = SessionJob(token, work, claims.sub)
+        self._session_of(claims.sub, self._nursery).put(job)
         try:
             await job.done.wait()
         finally:
-            if not job.done.is_set():
-                # Still queued: give its place back. Running: undo a reserve after.
-                job.abandoned = not self._queue.remove(job.invocation_id, job)
+            # Not answered: still queued, it never runs; running, a reserve is undone.
+            job.abandoned = not job.done.is_set()
         if job.error is not None:
             raise job.error
         return job
+
+    def _session_of(self, invocation_id: str, nursery: trio.Nursery) -> LaneSession:
+        session = self.sessions.get(invocation_id)
+        if session is not None:
+            return session
+        if len(self.sessions) >= self._max_sessions:
+            raise LaneBusy(self.lane.lane_id)
+        session = LaneSession(
+            self.lane.lane_id,
+            invocation_id,
+            self._host_factory(self.lane),
+            self._jobs,
+            share=self.share,
+            heartbeat_interval=self._recovery.heartbeat_interval,
+            heartbeat_timeout=self._recovery.heartbeat_timeout,
+            on_failed=self._session_failed,
+        )
+        self.sessions[invocation_id] = session
+        self.session_starts += 1
+        nursery.start_soon(self._run_session, session)
+        nursery.start_soon(session.watch)
+        return session
+
+    async def _run_session(self, session: LaneSession) -> None:
+        try:
+            await session.run()
+        finally:
+            if self.sessions.get(session.invocation_id) is session:
+                del self.sessions[session.invocation_id]
+            # Its host is gone, and every buffer in it.
+            self._buffers.forget(session.invocation_id)
+
+    def _session_failed(self, invocation_id: str, code: str, message: str) -> None:
+        """A session that had started failed: its invocation ends with the reason;
+        one that never started only refused its work (the sentinel speaks for the lane)."""
+        session = self.sessions.get(invocation_id)
+        if session is not None and session.started:
+            self._on_session_failed(self.lane.lane_id, invocation_id, code)
+
+    @property
+    def sentinel(self) -> LaneDevice | None:
+        """The lane's own host, which holds no tenant's buffers: its health is the lane's."""
+        return self._host
 
     def held_by(self, invocation_id: str) -> int:
         return self._buffers.held_by(invocation_id)
@@ -221,47 +239,41 @@ class LaneOwner:
         return self._buffers.free_bytes
 
     def holds(self, invocation_id: str) -> bool:
-        """Whether freeing the invocation here has anything to do (its work is running,
-        or it holds a buffer): otherwise `free_invocation` need not be awaited."""
-        current = self._current
-        if current is not None and current.invocation_id == invocation_id:
-            return True
-        return self._buffers.holds_any(invocation_id)
+        """Whether freeing the invocation here has anything to do (it has a session or
+        holds a buffer): otherwise `free_invocation` need not be awaited."""
+        return invocation_id in self.sessions or self._buffers.holds_any(invocation_id)
 
     async def free_invocation(self, invocation_id: str) -> int:
-        """Drop the invocation's buffers, in the host too. Its tokens are revoked
-        first, so none of its queued work runs; work of it already running is
-        let finish (the host's per-operation deadline bounds it: cancelling a
-        request halfway would kill the host and everyone's buffers in it).
-        Callers shield this with a deadline."""
-        current = self._current
-        if current is not None and current.invocation_id == invocation_id:
-            await current.done.wait()
-        ids = self._buffers.of(invocation_id)
-        freed = self._buffers.nbytes(ids)
-        self._freeing += 1  # the host is asked something: no heartbeat queues behind it
-        try:
-            await self._jobs.free(self._host, ids)
-        finally:
-            self._freeing -= 1
+        """End the invocation's session, and with its host every buffer it held; the
+        bytes given back. Its tokens are revoked first, so nothing new reaches it;
+        work of it still running ends with the session. Callers shield this with a
+        deadline."""
+        freed = self._buffers.held_by(invocation_id)
+        session = self.sessions.pop(invocation_id, None)
+        if session is not None:
+            await session.close()
+        self._buffers.forget(invocation_id)
         return freed
 
     # -- the owner task ---------------------------------------------------------------
     async def run(self) -> None:
-        """Start the lane's host and serve until cancelled, restarting owner and host
-        after a crash or a host failure with bounded intensity; past it the lane is
-        out of service and probed with backoff until a host starts again. Each host's
-        process is watched beside the work, so one that dies while idle is replaced
-        at once, and an idle host is sent heartbeats, so one that hangs is too."""
-        async with trio.open_nursery() as watchers:
-            await self._supervise(watchers)
-            watchers.cancel_scope.cancel()
+        """Start the lane's sentinel and serve until cancelled, restarting it after a
+        failure with bounded intensity; past it the lane is out of service and probed
+        with backoff until a sentinel starts again. Sessions run in this task's
+        nursery, so they end with it."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                await self._supervise(nursery)
+            finally:
+                self._nursery = None
+            nursery.cancel_scope.cancel()
 
-    async def _supervise(self, watchers: trio.Nursery) -> None:
+    async def _supervise(self, nursery: trio.Nursery) -> None:
         try:
             while True:
                 try:
-                    await self._serve(watchers)
+                    await self._serve(nursery)
                 except LaneHostFailed as exc:
                     log.error("lane %s: %s", self.lane.lane_id, exc)
                     self._restarting(f"{exc.reason}: {exc.message}")
@@ -273,16 +285,16 @@ class LaneOwner:
                 if self.faulted:  # a probe failed: wait twice as long for the next
                     self.retry_delay = min(self.retry_delay * 2, self._recovery.retry_max)
                 elif self._too_many_restarts():
-                    self._fault()
+                    await self._fault()
                 if self.faulted:
                     await self._wait_for_probe()
         finally:
-            # Cancelled (shutdown): nobody will serve what is queued; answer it now.
+            # Cancelled (shutdown): nobody will serve what is queued; the sessions
+            # end with the nursery, each refusing what it had queued.
             self.stopped = True
             if not self.faulted:
                 self.host_status = "stopped"
             self.first_start.set()
-            self._refuse_queued("shutting_down", "the lane owner stopped")
             with trio.CancelScope(shield=True):
                 await self._close_host()
 
@@ -297,9 +309,9 @@ class LaneOwner:
         self.restarts.append(now)
         return sum(now - t <= self._window for t in self.restarts) > self._max_restarts
 
-    def _fault(self) -> None:
-        """Out of service: its work is refused, a GPU lane leaves allocatable (the CPU
-        pool's processes and builtins never use its host: only its lane work goes),
+    async def _fault(self) -> None:
+        """Out of service: its sessions end, a GPU lane leaves allocatable (the CPU
+        pool's processes and builtins never use its hosts: only its lane work goes),
         and the lane is shown unhealthy until a probe brings it back."""
         now = trio.current_time()
         flapping = self._recovered_at is not None and now - self._recovered_at <= self._window
@@ -317,7 +329,9 @@ class LaneOwner:
         )
         log.error("lane %s: its host failed too often; %s", self.lane.lane_id, what)
         self._on_fault(self.lane.lane_id, self.fault_reason)
-        self._refuse_queued("lane_unhealthy", "the lane's owner failed too often")
+        with trio.CancelScope(shield=True):
+            for invocation_id in list(self.sessions):
+                await self.free_invocation(invocation_id)
 
     async def _wait_for_probe(self) -> None:
         self.next_probe_at = trio.current_time() + self.retry_delay
@@ -325,35 +339,20 @@ class LaneOwner:
         await trio.sleep(self.retry_delay)
 
     def _recover(self) -> None:
-        """A probe's host answered its hello: back in service, with a fresh window."""
+        """A probe's sentinel answered its hello: back in service, with a fresh window."""
         self.faulted, self.fault_reason, self.next_probe_at = False, "", None
         self.restarts.clear()
         self._recovered_at = trio.current_time()
         log.warning("lane %s: a new host answered; back in service", self.lane.lane_id)
         self._on_recovered(self.lane.lane_id)
 
-    async def _heartbeat(self, host: LaneDevice) -> None:
-        """Ask an idle host something cheap; no answer in time and it has failed."""
-        seconds = self._recovery.heartbeat_timeout
-        # LaneHost bounds (and ends) its own request; this bounds any other device. A
-        # request cancelled halfway ends the host, as one that timed out does.
-        with trio.move_on_after(seconds) as late:
-            if isinstance(host, _Heartbeat):
-                await host.stats(seconds=seconds)
-            else:
-                await host.run("noop", {}, {})
-        if late.cancelled_caught:
-            raise LaneHostFailed(
-                self.lane.lane_id, "timeout", f"no answer to a heartbeat in {seconds} s"
-            )
-
     async def _watch(self, host: LaneDevice) -> None:
-        """Notice the host's process exiting on its own, even with no work for it."""
+        """Notice the sentinel's process exiting on its own, even while it idles."""
         await host.wait_exited()
         if self._host is host:
             self._exited = host
             if self._idle is not None:
-                self._idle.cancel()  # the owner waits for work: wake it to replace the host
+                self._idle.cancel()  # wake the owner to replace it
 
     async def _close_host(self) -> None:
         host, self._host = self._host, None
@@ -361,25 +360,12 @@ class LaneOwner:
             await host.aclose()  # shielded, bounded and killing by LaneHost's own contract
 
     async def _lose_host(self) -> None:
-        """The host (or the owner's view of it) cannot be trusted: end it, account its
-        memory back and cancel the invocations that held buffers in it."""
+        """The sentinel (or the owner's view of it) cannot be trusted: end it. It held
+        no tenant's buffers, so nobody else loses anything."""
         with trio.CancelScope(shield=True):
             await self._close_host()
-        holders = self._buffers.holders()
-        self._buffers.clear()
-        if holders:
-            self._on_host_failed(self.lane.lane_id, sorted(holders))
 
-    def _refuse_queued(self, code: str, message: str) -> None:
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except trio.WouldBlock:
-                return
-            job.error = LaneWorkError(503, code, message)
-            job.done.set()
-
-    async def _serve(self, watchers: trio.Nursery) -> None:
+    async def _serve(self, nursery: trio.Nursery) -> None:
         host = self._host = self._host_factory(self.lane)
         self.host_starts += 1
         await host.start()
@@ -387,52 +373,14 @@ class LaneOwner:
             self._recover()  # the probe's hello answered
         self.host_status, self.host_problem = "ready", ""
         self.first_start.set()
-        watchers.start_soon(self._watch, host)
-        heard = trio.current_time()  # when the host last answered
+        nursery.start_soon(self._watch, host)
         while True:
             if self._exited is host:
                 raise LaneHostFailed(self.lane.lane_id, "crashed", "the lane host exited")
-            # Wait for work, but not longer than the heartbeat interval.
-            with trio.CancelScope(deadline=heard + self._recovery.heartbeat_interval) as idle:
+            # Idle for an interval (or until the watcher sees it exit), then ask.
+            with trio.CancelScope() as idle:
                 self._idle = idle
-                job = await self._queue.get()
+                await trio.sleep(self._recovery.heartbeat_interval)
             self._idle = None
-            if idle.cancelled_caught:
-                if self._exited is not host:  # not the watcher: quiet for an interval
-                    if not self._freeing:  # (a free in flight is bounded by its own deadline)
-                        await self._heartbeat(host)
-                    heard = trio.current_time()
-                continue
-            self._current = job
-            try:
-                job.reply, job.data = await self._jobs.handle(host, job.token, job.work)
-            except (LaneWorkError, TokenRefused) as exc:
-                job.error = exc
-            except KernelError as exc:
-                status = 503 if exc.code == "lane_unhealthy" else 422
-                job.error = LaneWorkError(status, exc.code, str(exc))
-            except LaneHostError as exc:
-                status, code = _HOST_CODES.get(exc.code, (422, exc.code))
-                job.error = LaneWorkError(status, code, exc.message)
-            except LaneHostFailed:
-                job.error = LaneWorkError(503, "lane_host_failed", "the lane host failed")
-                raise
-            except trio.Cancelled:
-                job.error = LaneWorkError(503, "shutting_down", "the lane owner stopped")
-                raise
-            except BaseException:
-                job.error = LaneWorkError(503, "lane_owner_crashed", "the lane owner failed")
-                raise
-            finally:
-                self._current = None
-                job.done.set()
-            heard = trio.current_time()
-            await self._undo_unclaimed_reserve(job)
-
-    async def _undo_unclaimed_reserve(self, job: _Job) -> None:
-        """A reserve whose caller left while it ran: nobody got the buffer id, so
-        nobody could release it; undo it."""
-        if job.abandoned and job.reply is not None and isinstance(job.work, MemoryReserve):
-            assert job.reply.buffer_id is not None
-            if job.reply.buffer_id in self._buffers:
-                await self._jobs.free(self._host, [job.reply.buffer_id])
+            if self._exited is not host:
+                await heartbeat(self.lane.lane_id, host, self._recovery.heartbeat_timeout)

@@ -182,6 +182,10 @@ class LaneDevice(Protocol):
     async def wait_exited(self) -> None:
         """Return once the host's process has ended, whoever ended it."""
 
+    async def stats(self, *, seconds: float | None = None) -> object:
+        """The host's cheapest request: its answer says it is still there."""
+        ...
+
     async def alloc(self, buffer_id: str, dtype: str, shape: Sequence[int]) -> int: ...
 
     async def free(self, buffer_id: str) -> int: ...

@@ -2,7 +2,7 @@
 the test's own process, plus kernels that take (mock-clock) time or misbehave.
 
 `sleep` waits `seconds` of trio time, `boom` raises what no kernel should (the
-owner crashes), `crash` makes the host fail like a dead process. `die()` ends
+session running it crashes), `crash` makes the host fail like a dead process. `die()` ends
 a host as if its process exited while idle; `hang()` makes it answer nothing
 more, as a SIGSTOPped process would. The factory can make the hosts it makes
 from then on fail to start (`refuse_starts`) or wait at start (`start_gate`).
@@ -160,10 +160,19 @@ class InProcessHosts:
         return host
 
     def current(self, lane_id: str) -> InProcessHost:
+        """The host made last for the lane (its sentinel, or its newest session's)."""
         return self.made[lane_id][-1]
 
+    def live(self, lane_id: str) -> list[InProcessHost]:
+        return [host for host in self.made[lane_id] if not (host.dead or host.closed)]
+
     def used(self, lane_id: str) -> int:
-        return self.current(lane_id).state.used
+        """The buffer bytes the lane's live hosts hold between them."""
+        return sum(host.state.used for host in self.live(lane_id))
+
+    def asked(self, lane_id: str) -> int:
+        """The requests the lane's hosts have answered, heartbeats aside."""
+        return sum(host._ids - host.heartbeats for host in self.made[lane_id])
 
     def summary(self) -> dict[str, Any]:
         return {lane: len(hosts) for lane, hosts in self.made.items()}

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 import trio.lowlevel
+import trio.testing
 
 from capabilities import KeyRing, LaneOp, TokenRefusal, TokenRefused, TokenService
 from machine import Machine
@@ -24,6 +25,7 @@ from machine.lanes import Isolation, Lane, LaneKind, Requirement
 from machine.ledger import CapacityView
 from supervisor.core import Supervisor
 from supervisor.events import Dropped, EventHub
+from supervisor.lane_owner import LaneOwner
 from supervisor.lane_work import LaneDevice
 from supervisor.wire import (
     BuiltinWork,
@@ -35,7 +37,7 @@ from supervisor.wire import (
     Resources,
     SubmitResponse,
 )
-from tests.lane_doubles import InProcessHosts
+from tests.lane_doubles import InProcessHost, InProcessHosts
 
 T = TypeVar("T")
 NODE = "n1"
@@ -130,6 +132,20 @@ class Rig:
         """The rig's default lane hosts (only when `open_rig` was given none of its own)."""
         assert isinstance(self.hosts, InProcessHosts)
         return self.hosts
+
+    async def fault_lane(self, lane_id: str) -> LaneOwner:
+        """The lane's sentinel host exits six times in a row, idle: past the default limit
+        of five restarts a minute, the lane faults."""
+        owner = self.sup.owners[lane_id]
+        for _ in range(6):
+            sentinel = owner.sentinel
+            if owner.faulted:  # hosts that fail to start get there sooner
+                break
+            if isinstance(sentinel, InProcessHost):
+                sentinel.die()
+            await trio.testing.wait_all_tasks_blocked()
+        assert owner.faulted and owner.host_status == "faulted"
+        return owner
 
     # -- lanes ---------------------------------------------------------------------
     def lane_ids(self, kind: LaneKind) -> list[str]:

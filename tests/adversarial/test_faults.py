@@ -35,7 +35,7 @@ from tests.adversarial.fixtures import (
 )
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 from tests.helpers import stop
-from tests.lane_doubles import InProcessHosts
+from tests.lane_doubles import InProcessHost, InProcessHosts
 
 pytestmark = pytest.mark.hostile("faults")
 
@@ -227,7 +227,37 @@ def _vram(capacity: dict[str, Any], lane: str) -> dict[str, Any]:
     return next(v for v in capacity["vram_bytes"] if v["lane_id"] == lane)
 
 
-async def test_faults_lane_owner_crash_restarts_then_faults_lane_past_intensity(
+async def test_faults_tenants_crashing_their_sessions_end_alone_and_never_fault_the_lane(
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
+) -> None:
+    """The report: six crashes a minute by one tenant took the lane from everyone. Each
+    crash now ends the crashing invocation's own lane session, and only it."""
+    async with running_node(tmp_path) as running:
+        holder = await running.submit(gpu_request("holder"))
+        lane, kept = next(iter(holder["tokens"].items()))
+        work = f"/v1/lanes/{lane}/work"
+        reserve = {"op": "memory_reserve", "dtype": "uint8", "shape": [64]}
+        assert (await running.client.post(work, json=reserve, headers=bearer(kept))).is_success
+        sup = running.daemon.supervisor
+        assert sup is not None
+        owner = sup.owners[lane]
+        for n in range(owner._max_restarts + 1):
+            accepted = await running.submit(gpu_request(f"hostile-{n}"))
+            token = accepted["tokens"][lane]
+            boom = {"op": "execute", "kernel": "boom"}
+            reply = await running.client.post(work, json=boom, headers=bearer(token))
+            assert reply.status_code == 503 and error_code(reply) == "lane_session_failed"
+            status = await wait_for_state(running, f"hostile-{n}")
+            assert (status["state"], status["reason"]) == ("cancelled", "lane_session_failed")
+        assert not _faulted(owner) and owner.held_by("holder") == 64
+        noop = {"op": "execute", "kernel": "noop"}
+        assert (await running.client.post(work, json=noop, headers=bearer(kept))).is_success
+        snapshot = await running.snapshot()
+        lane_view = next(item for item in snapshot["lanes"] if item["lane_id"] == lane)
+        assert lane_view["health"] == "healthy"
+
+
+async def test_faults_lane_host_failures_past_intensity_fault_the_lane(
     tmp_path: pathlib.Path, in_process_lane_hosts: None
 ) -> None:
     async with running_node(tmp_path) as running:
@@ -237,26 +267,20 @@ async def test_faults_lane_owner_crash_restarts_then_faults_lane_past_intensity(
         sup = running.daemon.supervisor
         assert sup is not None
         owner = sup.owners[lane]
-        crash = {"op": "execute", "kernel": "boom"}
-        noop = {"op": "execute", "kernel": "noop"}
-        work = f"/v1/lanes/{lane}/work"
-        limit = owner._max_restarts
-        for _ in range(limit):
-            reply = await running.client.post(work, json=crash, headers=bearer(token))
-            assert reply.status_code in (500, 503) and error_code(reply) == "lane_owner_crashed"
-            # Restarted: the next piece of work is served.
-            assert (await running.client.post(work, json=noop, headers=bearer(token))).is_success
-        assert not _faulted(owner)
         # A faulted lane is probed after 1 s: keep it out while this test looks at it.
         assert isinstance(owner._host_factory, InProcessHosts)
         owner._host_factory.refuse_starts = True
-        reply = await running.client.post(work, json=crash, headers=bearer(token))
-        assert reply.status_code in (500, 503)
-        assert _faulted(owner)
-        after = await running.client.post(work, json=noop, headers=bearer(token))
-        assert after.status_code in (401, 503), after.text  # revoked or lane_unhealthy
+        sentinel = owner.sentinel
+        assert isinstance(sentinel, InProcessHost)
+        sentinel.die()  # its replacements then fail to start, past the limit
         status = await wait_for_state(running, "victim")
         assert (status["state"], status["reason"]) == ("cancelled", "lane_unhealthy")
+        assert _faulted(owner)
+        noop = {"op": "execute", "kernel": "noop"}
+        after = await running.client.post(
+            f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token)
+        )
+        assert after.status_code in (401, 503), after.text  # revoked or lane_unhealthy
         snapshot = await running.snapshot()
         lane_view = next(item for item in snapshot["lanes"] if item["lane_id"] == lane)
         assert lane_view["health"] != "healthy"
@@ -288,7 +312,7 @@ async def test_faults_lane_owner_crash_answers_a_documented_status(
             json={"op": "execute", "kernel": "crash"},
             headers=bearer(token),
         )
-        assert reply.status_code == 503
+        assert reply.status_code == 503 and error_code(reply) == "lane_session_failed"
 
 
 # --- NVML failing mid-run --------------------------------------------------------------------

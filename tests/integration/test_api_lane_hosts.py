@@ -48,12 +48,30 @@ async def _until(check: Callable[[], Any], seconds: float = 30.0) -> Any:
             await trio.sleep(0.05)
 
 
-def _host_pid(owner: LaneOwner) -> int | None:
-    host = owner._host
+def _pid(host: object) -> int | None:
     return host.pid if isinstance(host, LaneHost) and host.running else None
 
 
-async def test_a_host_killed_while_idle_is_replaced_and_its_holders_cancelled(
+def _host_pid(owner: LaneOwner) -> int | None:
+    """The pid of the lane's sentinel host."""
+    return _pid(owner.sentinel)
+
+
+def _session_pid(owner: LaneOwner, invocation_id: str) -> int | None:
+    session = owner.sessions.get(invocation_id)
+    return None if session is None else _pid(session.host)
+
+
+async def _reserve(client: httpx.AsyncClient, lane: str, token: str, nbytes: int) -> None:
+    reserve = await client.post(
+        f"/v1/lanes/{lane}/work",
+        json={"op": "memory_reserve", "dtype": "uint8", "shape": [nbytes]},
+        headers=bearer(token),
+    )
+    assert reserve.status_code == 200, reserve.text
+
+
+async def test_a_session_host_killed_while_idle_ends_its_invocation_and_no_other(
     tmp_path: pathlib.Path,
 ) -> None:
     async with (
@@ -63,28 +81,57 @@ async def test_a_host_killed_while_idle_is_replaced_and_its_holders_cancelled(
         lane, token = next(
             iter((await submit(client, node, gpu_request("holder")))["tokens"].items())
         )
-        reserve = await client.post(
-            f"/v1/lanes/{lane}/work",
-            json={"op": "memory_reserve", "dtype": "uint8", "shape": [2**20]},
-            headers=bearer(token),
-        )
-        assert reserve.status_code == 200, reserve.text
+        neighbour = (await submit(client, node, gpu_request("neighbour")))["tokens"][lane]
+        await _reserve(client, lane, token, 2**20)
+        await _reserve(client, lane, neighbour, 2**10)
         sup = node.daemon.supervisor
         assert sup is not None
         owner = sup.owners[lane]
-        first = _host_pid(owner)
-        assert first is not None and owner.used_bytes == 2**20
-        os.kill(first, signal.SIGKILL)  # idle: nothing is asked of the lane after this
+        pid, sentinel = _session_pid(owner, "holder"), _host_pid(owner)
+        assert pid is not None and sentinel is not None and owner.used_bytes == 2**20 + 2**10
+        assert pid != _session_pid(owner, "neighbour")  # a process each
+        os.kill(pid, signal.SIGKILL)  # idle: nothing is asked of the lane after this
 
         async def ended() -> Any:
             found = await client.get("/v1/invocations/holder", headers=bearer(node.scheduler))
             return found.json() if found.json()["state"] in TERMINAL else None
 
         status = await _until(ended)
-        assert (status["state"], status["reason"]) == ("cancelled", "lane_host_failed")
+        assert (status["state"], status["reason"]) == ("cancelled", "lane_session_failed")
+        assert await wait_gone(pid)
+        assert owner.held_by("neighbour") == 2**10 and owner.used_bytes == 2**10
+        assert _host_pid(owner) == sentinel and owner.host_starts == 1
+        noop = await client.post(
+            f"/v1/lanes/{lane}/work",
+            json={"op": "execute", "kernel": "noop"},
+            headers=bearer(neighbour),
+        )
+        assert noop.status_code == 200, noop.text
+        assert (await client.get("/readyz")).status_code == 200
+
+
+async def test_a_sentinel_killed_while_idle_is_replaced_and_nobody_is_cancelled(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        lane, token = next(
+            iter((await submit(client, node, gpu_request("holder")))["tokens"].items())
+        )
+        await _reserve(client, lane, token, 2**20)
+        sup = node.daemon.supervisor
+        assert sup is not None
+        owner = sup.owners[lane]
+        first = _host_pid(owner)
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
         replaced = await _until(lambda: _host_pid(owner) not in (None, first))
-        assert replaced and owner.host_starts == 2 and owner.free_bytes == owner.lane.vram_bytes
+        assert replaced and owner.host_starts == 2 and owner.held_by("holder") == 2**20
         assert await wait_gone(first)
+        found = await client.get("/v1/invocations/holder", headers=bearer(node.scheduler))
+        assert found.json()["state"] == "running"
         assert (await client.get("/readyz")).status_code == 200
 
 

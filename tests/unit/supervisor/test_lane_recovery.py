@@ -18,9 +18,10 @@ import trio.testing
 
 from machine.lanes import Isolation
 from supervisor.lane_host import LaneHost, lane_host_factory
-from supervisor.lane_owner import LaneOwner, LaneWorkError
+from supervisor.lane_owner import LaneWorkError
 from supervisor.lane_work import Execute, MemoryReserve
 from supervisor.wire import InvocationRequest, InvocationState
+from tests.lane_doubles import InProcessHost
 from tests.lanehost_fixtures import process_gone, wait_gone
 from tests.supervisor_fixtures import GiB, Rig, builtin, gpu_builtin, only_lane, open_rig
 
@@ -41,16 +42,6 @@ def lane_view(rig: Rig, lane_id: str) -> dict[str, Any]:
 async def settle(mock_clock: trio.testing.MockClock, seconds: float) -> None:
     mock_clock.jump(seconds)
     await trio.testing.wait_all_tasks_blocked()
-
-
-async def fault_by_idle_deaths(rig: Rig, lane_id: str) -> LaneOwner:
-    """Six host exits within the minute (five restarts are allowed): the lane faults."""
-    owner = rig.sup.owners[lane_id]
-    for _ in range(6):
-        rig.in_process_hosts.current(lane_id).die()
-        await trio.testing.wait_all_tasks_blocked()
-    assert owner.faulted and owner.host_status == "faulted"
-    return owner
 
 
 async def assert_back_in_service(rig: Rig, lane_id: str, token: str) -> None:
@@ -76,7 +67,7 @@ async def test_a_faulted_lane_comes_back_by_itself_once_its_host_starts_again(
         lane_id, _ = only_lane(await rig.sup.submit(gpu_work("victim")))
         assert lane_id == rig.gpu_lane
         hosts.refuse_starts = True  # the first probe will fail as well
-        owner = await fault_by_idle_deaths(rig, lane_id)
+        owner = await rig.fault_lane(lane_id)
         assert await rig.wait_terminal("victim") is S.cancelled
         assert rig.sup.get("victim").reason == "lane_unhealthy"
         # Out of service: the snapshot says so and why, the readiness note names it.
@@ -141,16 +132,16 @@ async def test_a_lane_that_faults_again_soon_after_coming_back_waits_longer(
 ) -> None:
     async with open_rig(tmp_path) as rig:
         lane_id = rig.gpu_lane
-        owner = await fault_by_idle_deaths(rig, lane_id)
+        owner = await rig.fault_lane(lane_id)
         await settle(mock_clock, 1)
         assert not owner.faulted  # the first probe (after 1 s) succeeded
-        await fault_by_idle_deaths(rig, lane_id)  # within the minute: it flaps
+        await rig.fault_lane(lane_id)  # within the minute: it flaps
         await settle(mock_clock, 1)
         assert owner.faulted
         await settle(mock_clock, 1)
         assert not owner.faulted  # after 2 s this time
         await settle(mock_clock, 61)  # a minute in service: the next fault starts over
-        await fault_by_idle_deaths(rig, lane_id)
+        await rig.fault_lane(lane_id)
         await settle(mock_clock, 1)
         assert not owner.faulted
         assert rig.lane_events(lane_id) == ["unhealthy", "healthy"] * 3
@@ -165,11 +156,7 @@ async def test_a_faulted_cpu_pool_lane_shows_unhealthy_in_the_snapshot(
     async with open_rig(tmp_path) as rig:
         lane_id, token = only_lane(await rig.sup.submit(builtin("kernels", seconds=1000)))
         assert lane_id == rig.cpu_lane
-        owner = rig.sup.owners[lane_id]
-        for _ in range(6):
-            with pytest.raises(LaneWorkError):
-                await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
-        assert owner.faulted
+        await rig.fault_lane(lane_id)
         await trio.testing.wait_all_tasks_blocked()
         out = lane_view(rig, lane_id)
         assert out["health"] == "unhealthy"
@@ -190,7 +177,7 @@ async def test_a_faulted_cpu_pool_lane_shows_unhealthy_in_the_snapshot(
 # -- (c) a hung host is found while idle ---------------------------------------------------
 
 
-async def test_a_hung_idle_host_is_found_by_heartbeat_and_replaced_within_5_s(
+async def test_a_hung_idle_sentinel_is_found_by_heartbeat_and_replaced_within_5_s(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
@@ -199,7 +186,8 @@ async def test_a_hung_idle_host_is_found_by_heartbeat_and_replaced_within_5_s(
         lane_id, token = only_lane(response)
         await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="float32", shape=[1024]))
         owner = rig.sup.owners[lane_id]
-        hung = hosts.current(lane_id)
+        hung = owner.sentinel
+        assert isinstance(hung, InProcessHost)
         hung.hang()  # it neither answers nor exits; nobody asks the lane anything
         hosts.start_gate = gate = trio.Event()  # its replacement waits to greet
         stopped_at = trio.current_time()
@@ -208,19 +196,49 @@ async def test_a_hung_idle_host_is_found_by_heartbeat_and_replaced_within_5_s(
                 assert trio.current_time() - stopped_at < 5, "the hung host was never noticed"
                 await settle(mock_clock, 0.25)
         finally:
-            hung.resume()  # (were it not noticed, its holder's cleanup would wait on it)
+            hung.resume()
         assert hung.closed and len(owner.restarts) == 1
         assert owner.host_status == "restarting" and owner.host_problem.startswith("timeout")
         # /readyz's lane_hosts reason names the lane until its replacement answers.
         problem = rig.sup.lane_hosts_problem()
         assert problem is not None and f"{lane_id} (restarting: timeout" in problem
-        assert await rig.wait_terminal("holder") is S.cancelled
-        assert rig.sup.get("holder").reason == "lane_host_failed"
+        # The sentinel held nobody's buffers: the holder's session goes on.
+        assert rig.sup.get("holder").state is S.running and owner.held_by("holder") == 4096
         gate.set()
         await trio.testing.wait_all_tasks_blocked()
         assert owner.host_status == "ready" and rig.sup.lane_hosts_problem() is None
-        assert owner.host_starts == 2 and "host_restarted" in rig.lane_events(lane_id)
+        assert owner.host_starts == 2
+        await rig.sup.cancel("holder")
         rig.assert_released("holder", response.tokens)
+
+
+async def test_a_hung_idle_session_host_ends_its_invocation_within_5_s_and_no_other(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        response = await rig.sup.submit(gpu_work("hung"))
+        lane_id, token = only_lane(response)
+        _, neighbour = only_lane(await rig.sup.submit(gpu_work("neighbour")))
+        for who in (token, neighbour):
+            await rig.sup.lane_work(lane_id, who, MemoryReserve(dtype="float32", shape=[1024]))
+        owner = rig.sup.owners[lane_id]
+        hung = owner.sessions["hung"].host
+        assert isinstance(hung, InProcessHost)
+        hung.hang()
+        stopped_at = trio.current_time()
+        try:
+            while not hung.closed:  # ended by its session, which found it hung
+                assert trio.current_time() - stopped_at < 5, "the hung host was never noticed"
+                await settle(mock_clock, 0.25)
+        finally:
+            hung.resume()
+        assert await rig.wait_terminal("hung") is S.cancelled
+        assert rig.sup.get("hung").reason == "lane_session_failed" and hung.closed
+        assert rig.sup.get("neighbour").state is S.running
+        assert owner.held_by("neighbour") == 4096 and owner.held_by("hung") == 0
+        assert owner.host_starts == 1 and not owner.restarts and owner.host_status == "ready"
+        await rig.sup.cancel("neighbour")
+        rig.assert_released("hung", response.tokens)
 
 
 async def test_an_idle_host_that_answers_its_heartbeats_stays(
@@ -262,7 +280,7 @@ async def test_a_sigstopped_idle_host_process_is_found_within_5_s_and_replaced(
     async with open_rig(tmp_path, lane_hosts=lane_host_factory(backend="numpy")) as rig:
         lane_id = rig.gpu_lane
         owner = rig.sup.owners[lane_id]
-        host = owner._host
+        host = owner.sentinel
         assert isinstance(host, LaneHost) and host.pid is not None
         pid = host.pid
         os.kill(pid, signal.SIGSTOP)  # idle: nothing is asked of the lane after this
@@ -275,7 +293,7 @@ async def test_a_sigstopped_idle_host_process_is_found_within_5_s_and_replaced(
             with trio.fail_after(30):
                 while owner.host_status != "ready":  # noqa: ASYNC110
                     await trio.sleep(0.02)
-            replacement = owner._host
+            replacement = owner.sentinel
             assert isinstance(replacement, LaneHost) and replacement.pid not in (None, pid)
             assert len(owner.restarts) == 1 and not owner.faulted
         finally:

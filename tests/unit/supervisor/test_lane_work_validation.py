@@ -53,9 +53,8 @@ DATA = bytes(range(16))
 
 
 def asked(rig: Rig, lane_id: str) -> int:
-    """The requests the lane's current in-process host has answered, heartbeats aside."""
-    host = rig.in_process_hosts.current(lane_id)
-    return host._ids - int(getattr(host, "heartbeats", 0))
+    """The requests the lane's in-process hosts have answered, heartbeats aside."""
+    return rig.in_process_hosts.asked(lane_id)
 
 
 # -- values that do not fit the wire ------------------------------------------------------

@@ -1,5 +1,6 @@
 """Lane owners through the supervisor: token checks, opaque buffers within budget,
-bounded queues, crash restarts with bounded intensity, and faults that reach work."""
+bounded queues, a lane session per invocation, lane faults with bounded intensity, and
+faults that reach work."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from supervisor.lane_work import (
     Upload,
 )
 from supervisor.wire import InvocationRequest, InvocationState, SubmitResponse
+from tests.lane_doubles import InProcessHost
 from tests.supervisor_fixtures import GiB, Rig, builtin, gpu_builtin, only_lane, open_rig
 
 S = InvocationState
@@ -262,7 +264,8 @@ async def test_one_invocation_fills_only_its_own_share_of_a_lane(
         lane_b, tenant = only_lane(await rig.sup.submit(gpu_work("tenant")))
         assert lane_b == lane_id  # shared work packs onto one GPU
         busy: list[int] = []
-        finished: list[str] = []
+        finished: list[tuple[str, float]] = []
+        started = trio.current_time()
 
         async def work(who: str, token: str) -> None:
             try:
@@ -272,23 +275,25 @@ async def test_one_invocation_fills_only_its_own_share_of_a_lane(
             except LaneBusy as refused:
                 busy.append(refused.status)
                 return
-            finished.append(who)
+            finished.append((who, trio.current_time() - started))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(work, "flood", flooder)
-            await trio.testing.wait_all_tasks_blocked()  # in the owner's hands
+            await trio.testing.wait_all_tasks_blocked()  # running in its session
             for _ in range(64):
                 nursery.start_soon(work, "flood", flooder)
             await trio.testing.wait_all_tasks_blocked()
-            # One in the owner's hands and 8 queued; the rest refused at once.
+            # One running and 8 queued in the flood's own session; the rest refused at once.
             assert busy == [429] * 56
             nursery.start_soon(work, "tenant", tenant)
             await trio.testing.wait_all_tasks_blocked()
             for _ in range(10):
                 mock_clock.jump(1)
                 await trio.testing.wait_all_tasks_blocked()
-        # Served in turn: the tenant waited for one of the flood's kernels, not eight.
-        assert finished[:3] == ["flood", "flood", "tenant"] and len(finished) == 10
+        # The tenant's kernel ran in its own session beside the flood's first one: it
+        # waited for none of the flood's kernels.
+        assert ("tenant", 1) in finished and len(finished) == 10
+        assert [t for who, t in finished if who == "flood"] == list(range(1, 10))
         await rig.sup.lane_work(lane_id, flooder, Execute(kernel="noop"))
 
 
@@ -325,24 +330,45 @@ async def test_a_token_that_is_no_authority_never_takes_a_place_in_the_queue(
 # -- crashes and faults -----------------------------------------------------------------
 
 
-async def test_a_crashing_owner_restarts_with_a_new_host(
+async def test_a_kernel_that_crashes_its_session_ends_its_invocation_alone(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
+    """Code that faults while it runs an invocation's work takes down that invocation's
+    lane session, not the lane: its neighbour's buffer and work go on."""
     async with open_rig(tmp_path) as rig:
-        lane_id, token = only_lane(await rig.sup.submit(gpu_work("crash")))
+        lane_id, _ = await holder_of_a_buffer(rig)
+        _, token = only_lane(await rig.sup.submit(gpu_work("crash")))
         owner = rig.sup.owners[lane_id]
         with pytest.raises(LaneWorkError) as crashed:
             await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
-        assert (crashed.value.status, crashed.value.code) == (503, "lane_owner_crashed")
-        assert len(owner.restarts) == 1 and not owner.faulted
-        assert owner.host_starts == 2  # a crashed owner does not trust its old host
-        reply = await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
-        assert reply.result == {}
-        assert rig.sup.get("crash").state is S.running
+        assert (crashed.value.status, crashed.value.code) == (503, "lane_session_failed")
+        assert await rig.wait_terminal("crash") is S.cancelled
+        assert rig.sup.get("crash").reason == "lane_session_failed"
+        assert not owner.restarts and not owner.faulted and owner.host_starts == 1
+        assert rig.sup.get("holder").state is S.running and owner.held_by("holder") == 4096
         assert rig.machine.ledger.available(lane_id)
 
 
-async def test_too_many_crashes_fault_the_lane_and_cancel_its_work(
+async def test_six_tenants_crashing_their_own_sessions_never_fault_the_lane(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """The report: six crashes in a minute by one tenant took the lane out of service
+    for everyone. A session's crash is its invocation's, never the lane's."""
+    async with open_rig(tmp_path) as rig:
+        lane_id, _ = await holder_of_a_buffer(rig)
+        owner = rig.sup.owners[lane_id]
+        for n in range(6):
+            _, token = only_lane(await rig.sup.submit(gpu_work(f"hostile-{n}")))
+            with pytest.raises(LaneWorkError) as crashed:
+                await rig.sup.lane_work(lane_id, token, Execute(kernel="crash"))
+            assert crashed.value.code == "lane_session_failed"
+            assert await rig.wait_terminal(f"hostile-{n}") is S.cancelled
+        assert not owner.faulted and not owner.restarts and owner.host_status == "ready"
+        assert rig.sup.get("holder").state is S.running and owner.held_by("holder") == 4096
+        assert rig.machine.ledger.available(lane_id) and "unhealthy" not in rig.lane_events(lane_id)
+
+
+async def test_too_many_lane_host_failures_fault_the_lane_and_cancel_its_work(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
@@ -350,14 +376,16 @@ async def test_too_many_crashes_fault_the_lane_and_cancel_its_work(
         lane_id, token = only_lane(response)
         await rig.sup.submit(builtin("bystander", "sleep", seconds=100))
         owner = rig.sup.owners[lane_id]
+        await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))  # it has a session
         for n in range(6):  # five restarts are allowed within the window, the sixth faults
-            with pytest.raises(LaneWorkError) as crashed:
-                await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
-            assert crashed.value.code == "lane_owner_crashed"
+            sentinel = owner.sentinel
+            assert isinstance(sentinel, InProcessHost)
+            sentinel.die()
+            await trio.testing.wait_all_tasks_blocked()
             assert owner.faulted is (n == 5)
         assert await rig.wait_terminal("victim") is S.cancelled
         assert rig.sup.get("victim").reason == "lane_unhealthy"
-        assert not rig.machine.ledger.available(lane_id)
+        assert not rig.machine.ledger.available(lane_id) and not owner.sessions
         await trio.testing.wait_all_tasks_blocked()
         assert rig.sup.get("bystander").state is S.running
         assert rig.lane_events(lane_id) == ["unhealthy"]
@@ -377,18 +405,14 @@ async def test_too_many_crashes_fault_the_lane_and_cancel_its_work(
 async def test_a_faulted_cpu_lane_host_refuses_its_lane_work_but_not_the_cpu_pool(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    """Processes and builtins on the CPU pool never use its lane host: a host that
-    fails too often takes out the kernels it serves, not the pool's other work."""
+    """Processes and builtins on the CPU pool never use its lane hosts: a lane whose
+    host fails too often takes out the kernels it serves, not the pool's other work."""
     async with open_rig(tmp_path) as rig:
         lane_id, token = only_lane(await rig.sup.submit(builtin("kernels", seconds=1000)))
         assert rig.machine.ledger.lane(lane_id).kind is LaneKind.CPU  # type: ignore[union-attr]
         await rig.sup.submit(builtin("bystander", seconds=1000))
-        owner = rig.sup.owners[lane_id]
-        for _ in range(6):
-            with pytest.raises(LaneWorkError):
-                await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
-        assert owner.faulted
-        # Fail closed for what the host serves: lane work is refused with its reason...
+        await rig.fault_lane(lane_id)
+        # Fail closed for what the hosts serve: lane work is refused with its reason...
         with pytest.raises(LaneWorkError) as refused:
             await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))
         assert (refused.value.status, refused.value.code) == (503, "lane_unhealthy")
@@ -405,16 +429,20 @@ async def test_a_faulted_cpu_lane_host_refuses_its_lane_work_but_not_the_cpu_poo
             await rig.sup.cancel(invocation_id)
 
 
-async def test_crashes_spread_beyond_the_window_do_not_fault(
+async def test_host_failures_spread_beyond_the_window_do_not_fault(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
-        lane_id, token = only_lane(await rig.sup.submit(gpu_work("slowcrash")))
+        lane_id, _ = only_lane(await rig.sup.submit(gpu_work("slowcrash")))
+        owner = rig.sup.owners[lane_id]
         for _ in range(12):
-            with pytest.raises(LaneWorkError):
-                await rig.sup.lane_work(lane_id, token, Execute(kernel="boom"))
-            mock_clock.jump(15)  # four crashes a minute at most
-        assert not rig.sup.owners[lane_id].faulted
+            sentinel = owner.sentinel
+            assert isinstance(sentinel, InProcessHost)
+            sentinel.die()
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(15)  # four failures a minute at most
+            await trio.testing.wait_all_tasks_blocked()
+        assert not owner.faulted and owner.host_starts == 13
         assert rig.sup.get("slowcrash").state is S.running
 
 
@@ -466,82 +494,77 @@ async def test_a_reserve_whose_caller_left_is_never_made(
         assert again.bytes_held == 4 * GiB  # the whole budget is still there
 
 
-async def test_ending_the_invocation_lets_its_running_kernel_finish_then_frees(
+async def test_ending_the_invocation_ends_its_session_and_its_running_kernel_at_once(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    """Cancelling a host request halfway would kill the host and every tenant's
-    buffers in it: the kernel (bounded by the host's deadline) ends first."""
+    """The invocation's kernel runs in its own session: ending the invocation ends that
+    session at once, and no other tenant's buffers are in it to lose."""
     async with open_rig(tmp_path) as rig:
         hosts = rig.in_process_hosts
-        lane_id, token = only_lane(await rig.sup.submit(gpu_work("m")))
+        lane_id, _ = await holder_of_a_buffer(rig)
+        _, token = only_lane(await rig.sup.submit(gpu_work("m")))
         await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[GiB]))
-        outcome: list[Any] = []
+        refused: list[str] = []
 
         async def long_kernel() -> None:
-            outcome.append(
+            with pytest.raises(LaneWorkError) as ended_under_it:
                 await rig.sup.lane_work(
                     lane_id, token, Execute(kernel="sleep", args={"seconds": 3})
                 )
-            )
+            refused.append(ended_under_it.value.code)
 
         started = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(long_kernel)
             await trio.testing.wait_all_tasks_blocked()
-            ended: list[Any] = []
-
-            async def cancel() -> None:
-                ended.append(await rig.sup.cancel("m"))
-
-            nursery.start_soon(cancel)
-            await trio.testing.wait_all_tasks_blocked()
-            assert ended == []  # the cancel waits for the kernel's 3 s
-            mock_clock.jump(3)
-        assert trio.current_time() - started == 3
-        assert ended[0].state is S.cancelled
-        assert len(outcome) == 1
-        assert rig.sup.owners[lane_id].used_bytes == 0 and hosts.used(lane_id) == 0
-        assert hosts.summary()[lane_id] == 1  # the host was not restarted
-        await rig.sup.submit(gpu_work("next", isolation=Isolation.DEDICATED))
-
-
-async def test_a_crashed_host_cancels_its_holders_and_is_replaced(
-    tmp_path: Path, mock_clock: trio.testing.MockClock
-) -> None:
-    async with open_rig(tmp_path) as rig:
-        hosts = rig.in_process_hosts
-        lane_id, response = await holder_of_a_buffer(rig)
-        _, idle = only_lane(await rig.sup.submit(gpu_work("idle")))  # no buffers there
-        with pytest.raises(LaneWorkError) as failed:
-            await rig.sup.lane_work(lane_id, idle, Execute(kernel="crash"))
-        assert (failed.value.status, failed.value.code) == (503, "lane_host_failed")
-        assert await rig.wait_terminal("holder") is S.cancelled
-        assert rig.sup.get("holder").reason == "lane_host_failed"
+            ended = await rig.sup.cancel("m")
+        assert trio.current_time() == started  # the kernel's 3 s were not waited for
+        assert ended.state is S.cancelled and refused == ["lane_session_failed"]
         owner = rig.sup.owners[lane_id]
-        assert owner.used_bytes == 0 and owner.host_starts == 2
-        assert hosts.current(lane_id).state.used == 0
-        # The replacement serves; the invocation without buffers there runs on.
-        assert rig.sup.get("idle").state is S.running
-        assert (await rig.sup.lane_work(lane_id, idle, Execute(kernel="noop"))).result == {}
-        assert "host_restarted" in rig.lane_events(lane_id)
-        await rig.sup.cancel("idle")
-        rig.assert_released("holder", response.tokens)
+        assert owner.used_bytes == 4096 and hosts.used(lane_id) == 4096  # the holder's
+        assert owner.held_by("holder") == 4096 and rig.sup.get("holder").state is S.running
+        assert owner.host_starts == 1 and "m" not in owner.sessions
 
 
-async def test_a_host_that_dies_idle_is_replaced_at_once_without_a_request(
+async def test_a_crashed_session_ends_only_its_own_invocation(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_rig(tmp_path) as rig:
         hosts = rig.in_process_hosts
+        lane_id, holder = await holder_of_a_buffer(rig)
+        response = await rig.sup.submit(gpu_work("crasher"))
+        _, crasher = only_lane(response)
+        with pytest.raises(LaneWorkError) as failed:
+            await rig.sup.lane_work(lane_id, crasher, Execute(kernel="crash"))
+        assert (failed.value.status, failed.value.code) == (503, "lane_session_failed")
+        assert await rig.wait_terminal("crasher") is S.cancelled
+        assert rig.sup.get("crasher").reason == "lane_session_failed"
+        owner = rig.sup.owners[lane_id]
+        assert owner.held_by("holder") == 4096 and hosts.used(lane_id) == 4096
+        assert owner.host_starts == 1 and not owner.restarts
+        # The neighbour's session serves on, its buffer intact.
+        assert rig.sup.get("holder").state is S.running
+        _, token = only_lane(holder)
+        assert (await rig.sup.lane_work(lane_id, token, Execute(kernel="noop"))).result == {}
+        await rig.sup.cancel("holder")
+        rig.assert_released("crasher", response.tokens)
+
+
+async def test_a_session_host_that_dies_idle_ends_its_invocation_at_once(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
         lane_id, response = await holder_of_a_buffer(rig)
         owner = rig.sup.owners[lane_id]
         assert owner.used_bytes == 4096 and rig.sup.lane_hosts_problem() is None
-        hosts.current(lane_id).die()  # its process exits; nobody asks the lane anything
+        host = owner.sessions["holder"].host
+        assert isinstance(host, InProcessHost)
+        host.die()  # its process exits; nobody asks the lane anything
         assert await rig.wait_terminal("holder") is S.cancelled
-        assert rig.sup.get("holder").reason == "lane_host_failed"
-        assert owner.used_bytes == 0 and owner.host_starts == 2 and len(owner.restarts) == 1
+        assert trio.current_time() == 0  # not at the next heartbeat: at once
+        assert rig.sup.get("holder").reason == "lane_session_failed"
+        assert owner.used_bytes == 0 and owner.host_starts == 1 and not owner.restarts
         assert owner.host_status == "ready" and rig.sup.lane_hosts_problem() is None
-        assert "host_restarted" in rig.lane_events(lane_id)
         rig.assert_released("holder", response.tokens)
 
 
