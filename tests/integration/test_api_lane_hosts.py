@@ -71,6 +71,15 @@ async def _reserve(client: httpx.AsyncClient, lane: str, token: str, nbytes: int
     assert reserve.status_code == 200, reserve.text
 
 
+async def _holder(client: httpx.AsyncClient, node: Any) -> tuple[str, str, LaneOwner]:
+    """GPU work "holder" holding 1 MiB on its lane: the lane, its token, the lane's owner."""
+    lane, token = next(iter((await submit(client, node, gpu_request("holder")))["tokens"].items()))
+    await _reserve(client, lane, token, 2**20)
+    sup = node.daemon.supervisor
+    assert sup is not None
+    return lane, token, sup.owners[lane]
+
+
 async def test_a_session_host_killed_while_idle_ends_its_invocation_and_no_other(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -78,15 +87,9 @@ async def test_a_session_host_killed_while_idle_ends_its_invocation_and_no_other
         running_daemon(tmp_path) as node,
         httpx.AsyncClient(base_url=node.url, timeout=10) as client,
     ):
-        lane, token = next(
-            iter((await submit(client, node, gpu_request("holder")))["tokens"].items())
-        )
+        lane, _, owner = await _holder(client, node)
         neighbour = (await submit(client, node, gpu_request("neighbour")))["tokens"][lane]
-        await _reserve(client, lane, token, 2**20)
         await _reserve(client, lane, neighbour, 2**10)
-        sup = node.daemon.supervisor
-        assert sup is not None
-        owner = sup.owners[lane]
         pid, sentinel = _session_pid(owner, "holder"), _host_pid(owner)
         assert pid is not None and sentinel is not None and owner.used_bytes == 2**20 + 2**10
         assert pid != _session_pid(owner, "neighbour")  # a process each
@@ -117,13 +120,7 @@ async def test_a_sentinel_killed_while_idle_is_replaced_and_nobody_is_cancelled(
         running_daemon(tmp_path) as node,
         httpx.AsyncClient(base_url=node.url, timeout=10) as client,
     ):
-        lane, token = next(
-            iter((await submit(client, node, gpu_request("holder")))["tokens"].items())
-        )
-        await _reserve(client, lane, token, 2**20)
-        sup = node.daemon.supervisor
-        assert sup is not None
-        owner = sup.owners[lane]
+        _, _, owner = await _holder(client, node)
         first = _host_pid(owner)
         assert first is not None
         os.kill(first, signal.SIGKILL)
