@@ -6,8 +6,10 @@ again for this lane, the operation and the VRAM the invocation would then hold
 (it may have been revoked while the work waited); the invocation must still be
 live; only buffer ids the caller holds are forwarded to the lane's host, and an
 invocation holds at most `max_buffers_per_invocation` of the lane's
-`max_buffers`. The lane owner (`supervisor.lane_owner`) runs this one job at a
-time and decides what a failure means.
+`max_buffers`. Each invocation's lane session (`supervisor.lane_session`) runs
+its own jobs one at a time, on its own host; sessions run side by side, so what
+the lane's book holds (bytes, buffer counts) is updated before the first await
+of a job, never after it.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class LaneJobRunner:
 
     async def free(self, host: LaneDevice | None, buffer_ids: list[str]) -> None:
         """Forget the buffers, then free them in the host. A host that fails here
-        is gone with all its memory; the owner replaces it at its next request."""
+        is gone with all its memory: its session fails with it."""
         for buffer_id in buffer_ids:
             self._buffers.drop(buffer_id)
         if not buffer_ids or host is None:
@@ -160,8 +162,13 @@ class LaneJobRunner:
                 429, "too_many_buffers", f"the lane holds {len(self._buffers)} buffers"
             )
         buffer_id = "buf_" + secrets.token_hex(16)
-        await self._host_call("alloc", host.alloc(buffer_id, work.dtype, work.shape))
+        # Booked before the host is asked: another session's reserve meanwhile sees it.
         held = self._buffers.add(buffer_id, reply.invocation_id, nbytes)
+        try:
+            await self._host_call("alloc", host.alloc(buffer_id, work.dtype, work.shape))
+        except BaseException:
+            self._buffers.drop(buffer_id)
+            raise
         return _replace(reply, buffer_id=buffer_id, bytes_held=held)
 
     async def _release(

@@ -44,7 +44,7 @@ from machine.lanes import Lane
 from supervisor.lane_buffers import BUFFERS_PER_INVOCATION, LaneBuffers
 from supervisor.lane_host_errors import LaneHostFailed
 from supervisor.lane_jobs import LaneJobRunner
-from supervisor.lane_session import LaneSession, SessionJob, heartbeat
+from supervisor.lane_session import CLOSE_SECONDS, LaneSession, SessionJob, heartbeat
 from supervisor.lane_work import (
     Download,
     LaneBusy,
@@ -118,6 +118,7 @@ class LaneOwner:
             max_buffers_per_invocation=max_buffers_per_invocation,
         )
         self.sessions: dict[str, LaneSession] = {}  # by invocation
+        self._closing: dict[str, LaneSession] = {}  # sessions being ended, by invocation
         self.session_starts = 0
         self._max_restarts = max_restarts
         self._window = window
@@ -206,20 +207,21 @@ class LaneOwner:
         return session
 
     async def _run_session(self, session: LaneSession) -> None:
+        invocation_id = session.invocation_id
         try:
             await session.run()
         finally:
-            if self.sessions.get(session.invocation_id) is session:
-                del self.sessions[session.invocation_id]
-            # Its host is gone, and every buffer in it.
-            self._buffers.forget(session.invocation_id)
+            if self.sessions.get(invocation_id) is session:
+                del self.sessions[invocation_id]
+            if invocation_id not in self.sessions:  # (not a newer session's book)
+                self._buffers.forget(invocation_id)  # its host is gone, and every buffer
 
-    def _session_failed(self, invocation_id: str, code: str, message: str) -> None:
+    def _session_failed(self, session: LaneSession, code: str, message: str) -> None:
         """A session that had started failed: its invocation ends with the reason;
-        one that never started only refused its work (the sentinel speaks for the lane)."""
-        session = self.sessions.get(invocation_id)
-        if session is not None and session.started:
-            self._on_session_failed(self.lane.lane_id, invocation_id, code)
+        one that never started only refused its work (the sentinel speaks for the lane).
+        A session closed on purpose is no longer in the table: nothing to say."""
+        if self.sessions.get(session.invocation_id) is session and session.started:
+            self._on_session_failed(self.lane.lane_id, session.invocation_id, code)
 
     @property
     def sentinel(self) -> LaneDevice | None:
@@ -241,7 +243,11 @@ class LaneOwner:
     def holds(self, invocation_id: str) -> bool:
         """Whether freeing the invocation here has anything to do (it has a session or
         holds a buffer): otherwise `free_invocation` need not be awaited."""
-        return invocation_id in self.sessions or self._buffers.holds_any(invocation_id)
+        return (
+            invocation_id in self.sessions
+            or invocation_id in self._closing
+            or self._buffers.holds_any(invocation_id)
+        )
 
     async def free_invocation(self, invocation_id: str) -> int:
         """End the invocation's session, and with its host every buffer it held; the
@@ -249,10 +255,17 @@ class LaneOwner:
         work of it still running ends with the session. Callers shield this with a
         deadline."""
         freed = self._buffers.held_by(invocation_id)
-        session = self.sessions.pop(invocation_id, None)
+        session = self.sessions.pop(invocation_id, None) or self._closing.get(invocation_id)
         if session is not None:
-            await session.close()
-        self._buffers.forget(invocation_id)
+            # A second caller waits for the same ending, never returns before it.
+            self._closing[invocation_id] = session
+            try:
+                await session.close()
+            finally:
+                if self._closing.get(invocation_id) is session:
+                    del self._closing[invocation_id]
+        if invocation_id not in self.sessions:
+            self._buffers.forget(invocation_id)
         return freed
 
     # -- the owner task ---------------------------------------------------------------
@@ -329,9 +342,14 @@ class LaneOwner:
         )
         log.error("lane %s: its host failed too often; %s", self.lane.lane_id, what)
         self._on_fault(self.lane.lane_id, self.fault_reason)
-        with trio.CancelScope(shield=True):
-            for invocation_id in list(self.sessions):
-                await self.free_invocation(invocation_id)
+        # Every session ends at once, side by side; the wait is bounded as each one's is.
+        ending, self.sessions = list(self.sessions.values()), {}
+        for session in ending:
+            session.begin_close()
+            self._buffers.forget(session.invocation_id)
+        with trio.move_on_after(CLOSE_SECONDS, shield=True):
+            for session in ending:
+                await session.ended.wait()
 
     async def _wait_for_probe(self) -> None:
         self.next_probe_at = trio.current_time() + self.retry_delay

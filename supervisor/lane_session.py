@@ -34,10 +34,14 @@ from supervisor.lane_work import (
     MemoryReserve,
 )
 
-__all__ = ["HOST_CODES", "LaneSession", "SessionJob", "heartbeat"]
+__all__ = ["CLOSE_SECONDS", "HOST_CODES", "LaneSession", "SessionJob", "heartbeat"]
 
 # The name these lines have always been logged under: operators' filters keep matching.
 log = logging.getLogger("supervisor.lane_owner")
+
+# The most a session's ending waits for its host to go (LaneHost's own kill and reap
+# take at most about 16 s).
+CLOSE_SECONDS = 20.0
 
 # The host's refusals as the edge answers them; anything else is the caller's args (422).
 HOST_CODES = {
@@ -90,7 +94,7 @@ class LaneSession:
         share: int,
         heartbeat_interval: float,
         heartbeat_timeout: float,
-        on_failed: Callable[[str, str, str], None],
+        on_failed: Callable[[LaneSession, str, str], None],
     ) -> None:
         self.lane_id = lane_id
         self.invocation_id = invocation_id
@@ -99,7 +103,7 @@ class LaneSession:
         self._send, self._receive = trio.open_memory_channel[SessionJob](share)
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_timeout = heartbeat_timeout
-        self._on_failed = on_failed  # (invocation id, reason code, message)
+        self._on_failed = on_failed  # (this session, reason code, message)
         self.current: SessionJob | None = None
         self.started = False  # its host answered its hello: a failure is then the session's
         self.ended = trio.Event()
@@ -121,11 +125,15 @@ class LaneSession:
         except trio.WouldBlock:
             raise LaneBusy(self.lane_id) from None
 
-    async def close(self) -> None:
-        """End the session and its host (the invocation ended); bounded, and safe to
-        call from a cancelled caller's shielded cleanup."""
+    def begin_close(self) -> None:
+        """Start ending the session and its host; `ended` is set once they are gone."""
         self._stop("the invocation's lane session ended")
         self._scope.cancel()
+
+    async def close(self) -> None:
+        """End the session and its host (the invocation ended); bounded by
+        CLOSE_SECONDS, and safe to call from a cancelled caller's shielded cleanup."""
+        self.begin_close()
         await self.ended.wait()
 
     # -- the session task ---------------------------------------------------------
@@ -152,13 +160,16 @@ class LaneSession:
                 "lane %s: the session of %s failed: %s", self.lane_id, self.invocation_id, message
             )
             self._stop(message)
-            self._on_failed(self.invocation_id, code, message)
+            self._on_failed(self, code, message)
         finally:
             self._stop("the invocation's lane session ended")
             self._watching.cancel()
-            with trio.CancelScope(shield=True):
-                await self.host.aclose()
-            self.ended.set()
+            try:
+                # LaneHost bounds and kills by its own contract; this bounds any device.
+                with trio.move_on_after(CLOSE_SECONDS, shield=True):
+                    await self.host.aclose()
+            finally:
+                self.ended.set()
 
     def _stop(self, why: str) -> None:
         """Refuse what is queued and anything put later."""
@@ -183,15 +194,20 @@ class LaneSession:
             if self._idle is not None:
                 self._idle.cancel()
 
+    def _host_exited(self) -> bool:
+        return self._exited  # set by the watcher task, between any two awaits here
+
     async def _serve(self) -> None:
         heard = trio.current_time()  # when the host last answered
         while True:
+            if self._host_exited():  # (seen while a job ran)
+                raise LaneHostFailed(self.lane_id, "crashed", "the lane host exited")
             job: SessionJob | None = None
             with trio.CancelScope(deadline=heard + self._heartbeat_interval) as idle:
                 self._idle = idle  # the wait only: a running job is never cut short here
                 job = await self._receive.receive()
             self._idle = None
-            if self._exited:
+            if self._host_exited():
                 if job is not None:  # taken just as the host went: answered, not dropped
                     job.error = LaneWorkError(503, "lane_session_failed", "the lane host exited")
                     job.done.set()
