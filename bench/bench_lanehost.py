@@ -25,7 +25,6 @@ The owner and its host alone, over several rounds:
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import pathlib
@@ -41,7 +40,7 @@ import numpy as np
 import trio
 
 from bench.bench_api import serve
-from bench.harness import Finding, percentile
+from bench.harness import Finding, KeepAliveClient, percentile
 from lanehost.kernels import BUILTIN_KERNELS
 from supervisor.lane_host import LaneHost
 
@@ -197,39 +196,7 @@ _TRANSFER_WHY = (
 )
 
 
-class _Client:
-    """One keep-alive HTTP/1.1 connection to the daemon."""
-
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        self._conn = http.client.HTTPConnection(host, int(port), timeout=60)
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        expect: int = 200,
-    ) -> bytes:
-        self._conn.request(method, path, body=body, headers=headers or {})
-        reply = self._conn.getresponse()
-        data = reply.read()
-        if reply.status != expect:
-            raise RuntimeError(f"{method} {path}: {reply.status} {data[:300]!r}")
-        return data
-
-    def timed(self, method: str, path: str, **kwargs: object) -> float:
-        start = time.perf_counter()
-        self.call(method, path, **kwargs)  # type: ignore[arg-type]
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-def _hop_totals(client: _Client, secret: str) -> tuple[float, float]:
+def _hop_totals(client: KeepAliveClient, secret: str) -> tuple[float, float]:
     """(seconds, calls) the daemon's lane owners spent awaiting `run` in their hosts."""
     text = client.call("GET", "/metrics", headers={"Authorization": f"Bearer {secret}"}).decode()
     found_sum, found_count = _HOP_SUM.search(text), _HOP_COUNT.search(text)
@@ -238,7 +205,7 @@ def _hop_totals(client: _Client, secret: str) -> tuple[float, float]:
     return float(found_sum.group(1)), float(found_count.group(1))
 
 
-def _gpu_token(client: _Client, secret: str) -> tuple[str, str]:
+def _gpu_token(client: KeepAliveClient, secret: str) -> tuple[str, str]:
     """(lane id, capability token) of a sleeping invocation granted one GPU lane."""
     body = {
         "id": "bench-lanehost",
@@ -258,9 +225,9 @@ def _gpu_token(client: _Client, secret: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _daemon() -> Iterator[tuple[_Client, str]]:
+def _daemon() -> Iterator[tuple[KeepAliveClient, str]]:
     with tempfile.TemporaryDirectory() as tmp, serve(pathlib.Path(tmp)) as (_, url, secret):
-        client = _Client(url)
+        client = KeepAliveClient.to(url)
         try:
             yield client, secret
         finally:

@@ -59,7 +59,7 @@ import time
 import numpy as np
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
-from bench.harness import Finding, percentile
+from bench.harness import Finding, KeepAliveClient, percentile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("capabilities", "machine", "lanehost", "supervisor", "api", "node")
@@ -220,53 +220,9 @@ def _differing_files(a: pathlib.Path, b: pathlib.Path) -> list[str]:
 # -- one daemon --------------------------------------------------------------
 
 
-class _Client:
-    """One keep-alive HTTP/1.1 connection; every call is bounded by the deadline."""
-
-    def __init__(self, port: int, deadline: Deadline, label: str) -> None:
-        self._deadline, self._label = deadline, label
-        self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT)
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        expect: int = 200,
-    ) -> bytes:
-        timeout = self._deadline.timeout(f"{method} {path}")
-        self._conn.timeout = timeout
-        if self._conn.sock is not None:
-            self._conn.sock.settimeout(timeout)
-        try:
-            self._conn.request(method, path, body=body, headers=headers or {})
-            reply = self._conn.getresponse()
-            data = reply.read()
-        except (OSError, http.client.HTTPException) as e:
-            self._conn.close()
-            raise RuntimeError(f"bench_lanes: {self._label}: {method} {path}: {e!r}") from e
-        if reply.status != expect:
-            raise RuntimeError(
-                f"bench_lanes: {self._label}: {method} {path}: {reply.status} {data[:300]!r}"
-            )
-        return data
-
-    def timed(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> float:
-        start = time.perf_counter()
-        self.call(method, path, body=body, headers=headers)
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        self._conn.close()
+def _client(port: int, deadline: Deadline, label: str) -> KeepAliveClient:
+    """A connection whose every call is bounded by the run's deadline."""
+    return KeepAliveClient(port, label=f"bench_lanes: {label}", timeout=deadline.timeout)
 
 
 class _Daemon:
@@ -367,7 +323,7 @@ class _Tenancy:
     def __init__(self, daemon: _Daemon, deadline: Deadline) -> None:
         self.daemon, self.deadline = daemon, deadline
         self.samples = Samples()
-        self.client = _Client(daemon.port, deadline, daemon.rev.label)  # B's connection
+        self.client = _client(daemon.port, deadline, daemon.rev.label)  # B's connection
         secret = daemon.secret
         largest = 3 * 4 * SLICE_SIZES[1] ** 2  # a, b and out at the largest n
         lane_a, token_a = self._submit(secret, "bench-lanes-a", largest + (64 << 20))
@@ -474,7 +430,7 @@ class _Tenancy:
         failed: list[BaseException] = []
 
         def tenant_a() -> None:
-            client = _Client(self.daemon.port, self.deadline, f"{label}, tenant A")
+            client = _client(self.daemon.port, self.deadline, f"{label}, tenant A")
             try:
                 while not stop.is_set():
                     kernels.append(

@@ -8,6 +8,7 @@ the figure that matters is a ratio, never an absolute time alone.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import statistics
 import time
 from collections.abc import Callable
@@ -46,3 +47,64 @@ def percentile(samples: list[float], pct: float) -> float:
 
 def median(samples: list[float]) -> float:
     return statistics.median(samples)
+
+
+class KeepAliveClient:
+    """One keep-alive HTTP/1.1 connection to a daemon on loopback. Each call's timeout
+    comes from `timeout(what)` (a run's deadline, say); a failure names `label`."""
+
+    def __init__(
+        self,
+        port: int,
+        *,
+        label: str = "daemon",
+        timeout: Callable[[str], float] = lambda _what: 60.0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self._label, self._timeout = label, timeout
+        self._conn = http.client.HTTPConnection(host, port, timeout=timeout("connect"))
+
+    @classmethod
+    def to(cls, url: str) -> KeepAliveClient:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        return cls(int(port), host=host)
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        expect: int = 200,
+    ) -> bytes:
+        timeout = self._timeout(f"{method} {path}")
+        self._conn.timeout = timeout
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout)
+        try:
+            self._conn.request(method, path, body=body, headers=headers or {})
+            reply = self._conn.getresponse()
+            data = reply.read()
+        except (OSError, http.client.HTTPException) as e:
+            self._conn.close()
+            raise RuntimeError(f"{self._label}: {method} {path}: {e!r}") from e
+        if reply.status != expect:
+            raise RuntimeError(f"{self._label}: {method} {path}: {reply.status} {data[:300]!r}")
+        return data
+
+    def timed(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> float:
+        """Seconds one call took, its answer checked."""
+        start = time.perf_counter()
+        self.call(method, path, body=body, headers=headers)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._conn.close()
