@@ -60,6 +60,7 @@ class InProcessHost:
         self.heartbeats = 0  # `stats` requests
         self.refuse_start = False
         self.start_gate: trio.Event | None = None
+        self.close_gate: trio.Event | None = None  # set: closing waits for it
         self._ids = 0
         self._exited = trio.Event()
         self._resumed = trio.Event()
@@ -86,6 +87,8 @@ class InProcessHost:
         return await self._call(Hello(id=1, version=PROTOCOL_VERSION), HelloReply)
 
     async def aclose(self) -> None:
+        if self.close_gate is not None:
+            await self.close_gate.wait()  # a process slow to die
         self.closed = True
         self._exited.set()
         self._resumed.set()  # a stopped process that is killed answers its pipe with EOF

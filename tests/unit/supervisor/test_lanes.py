@@ -19,6 +19,7 @@ from capabilities import LaneOp, TokenRefusal, TokenRefused
 from machine.lanes import Isolation, LaneKind
 from supervisor.admission import AdmissionRefused
 from supervisor.lane_owner import LaneBusy, LaneWorkError
+from supervisor.lane_session import CLOSE_SECONDS
 from supervisor.lane_work import (
     Download,
     Execute,
@@ -625,3 +626,63 @@ async def test_a_deadline_ending_frees_the_host_memory(
         assert hosts.used(lane_id) == 0 and rig.sup.owners[lane_id].free_bytes == (
             rig.machine.ledger.lane(lane_id).vram_bytes  # type: ignore[union-attr]
         )
+
+
+async def test_a_second_ending_of_an_invocation_waits_for_its_session_to_be_gone(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Two cleanups of one invocation (a lane fault and its own ending, say): neither
+    returns, and the lane still counts it as held, until its host is gone."""
+    async with open_rig(tmp_path) as rig:
+        lane_id, _ = await holder_of_a_buffer(rig)
+        owner = rig.sup.owners[lane_id]
+        host = owner.sessions["holder"].host
+        assert isinstance(host, InProcessHost)
+        host.close_gate = gate = trio.Event()
+        returned: list[int] = []
+
+        async def free() -> None:
+            returned.append(await owner.free_invocation("holder"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(free)
+            nursery.start_soon(free)
+            await trio.testing.wait_all_tasks_blocked()
+            try:
+                assert returned == [] and owner.holds("holder")
+            finally:
+                gate.set()  # (so that a failure here still tears down)
+        assert returned == [4096, 4096] and host.closed and not owner.holds("holder")
+        await rig.sup.cancel("holder")
+
+
+async def test_a_lane_fault_ends_its_sessions_together_within_a_bound(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Session hosts that will not die do not hold the faulting owner for long: they end
+    side by side, and the owner waits CLOSE_SECONDS at most for all of them."""
+    async with open_rig(tmp_path) as rig:
+        lane_id, _ = await holder_of_a_buffer(rig)
+        _, other = only_lane(await rig.sup.submit(gpu_work("other")))
+        await rig.sup.lane_work(lane_id, other, Execute(kernel="noop"))
+        owner = rig.sup.owners[lane_id]
+        stuck = [owner.sessions[i].host for i in ("holder", "other")]
+        gates = []
+        for host in stuck:
+            assert isinstance(host, InProcessHost)
+            host.close_gate = trio.Event()  # not set while the owner faults
+            gates.append(host.close_gate)
+        started = trio.current_time()
+        try:
+            await rig.fault_lane(lane_id)
+            for _ in range(int(CLOSE_SECONDS) + 1):
+                if owner.next_probe_at is not None:  # the owner got past ending them
+                    break
+                mock_clock.jump(1)
+                await trio.testing.wait_all_tasks_blocked()
+            assert owner.next_probe_at is not None, "the sessions' ending held the owner"
+            assert trio.current_time() - started <= CLOSE_SECONDS + 1
+            assert not owner.sessions and owner.used_bytes == 0
+        finally:
+            for gate in gates:
+                gate.set()  # (so that a failure here still tears down)
