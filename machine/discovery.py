@@ -20,7 +20,7 @@ import trio
 from machine.discovery_host import discover_host, read_host_memory
 from machine.discovery_nvml import NvmlUnavailable, open_nvml
 from machine.discovery_sim import SimError, discover_sim, load_sim_spec
-from machine.inventory import Inventory
+from machine.inventory import CpuInfo, Inventory, MemoryInfo
 
 __all__ = ["MODES", "DiscoveryError", "discover"]
 
@@ -44,9 +44,12 @@ async def discover(
     sys_root: Path = Path("/sys"),
     proc_root: Path = Path("/proc"),
     nvml_call_timeout: float = 5.0,
+    host: tuple[CpuInfo, MemoryInfo] | None = None,
 ) -> Inventory:
     """Discover CPU, memory and devices once. The returned Inventory's `source`
-    (when not None) gives later readings and must be closed with `aclose()`."""
+    (when not None) gives later readings and must be closed with `aclose()`.
+    `host` stands in for the host's first CPU and memory reading (tests pin it, so
+    that the simulated VRAM cap does not depend on the machine they run on)."""
     if mode not in MODES:
         raise DiscoveryError(f"unknown devices mode {mode!r}; expected one of {', '.join(MODES)}")
     if mode == "workstation":
@@ -56,16 +59,20 @@ async def discover(
             sys_root=sys_root,
             proc_root=proc_root,
             nvml_call_timeout=nvml_call_timeout,
+            host=host,
         )
         if found.gpus:
             return found
-        simulated = await discover("sim", sim_file=sim_file, sys_root=sys_root, proc_root=proc_root)
+        simulated = await discover(
+            "sim", sim_file=sim_file, sys_root=sys_root, proc_root=proc_root, host=host
+        )
         why = "; ".join(found.readiness_reasons) or "no GPUs"
         return msgspec.structs.replace(
             simulated, notes=(*simulated.notes, f"simulated workstation ({why})")
         )
     # /proc and /sys reads are local and quick; no thread hop needed.
-    host = discover_host(sys_root=sys_root, proc_root=proc_root)
+    if host is None:
+        host = discover_host(sys_root=sys_root, proc_root=proc_root)
     await trio.lowlevel.checkpoint()
     cpu, memory = host
     host_memory = functools.partial(read_host_memory, sys_root=sys_root, proc_root=proc_root)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import trio
 
+from machine.capacity_notes import simulated_vram_note
 from machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
+from machine.lanes import build_lanes
 from machine.sim_spec import (
     BUILTIN_SIM_FILE,
     FaultKind,
@@ -21,6 +24,7 @@ from machine.sim_spec import (
     parse_size,
 )
 from machine.sim_timeline import SimDeviceSource, SimHostMemory
+from machine.sim_vram import vram_limit
 
 # The names other code imports from here, wherever they now live.
 __all__ = [
@@ -68,8 +72,10 @@ async def discover_sim(
     host_memory: Callable[[], MemoryInfo] | None = None,
 ) -> Inventory:
     """An Inventory from the spec; CPU/RAM sections it omits come from `host` (and are
-    read again through `host_memory`)."""
+    read again through `host_memory`). The lanes' VRAM is capped to `host`'s real
+    memory (machine/sim_vram.py), never to what the spec's RAM section claims."""
     cpu, memory = host
+    limit = vram_limit(memory)
     start = trio.current_time()
     if spec.cpu is not None:
         c = spec.cpu
@@ -90,7 +96,7 @@ async def discover_sim(
         memory = host_memory()
     source = SimDeviceSource(spec, start=start)
     probes = await source.probe()
-    return Inventory(
+    found = Inventory(
         backend="sim",
         cpu=cpu,
         memory=memory,
@@ -100,4 +106,7 @@ async def discover_sim(
         probes=tuple(probes),
         source=source,
         host_memory=host_memory,
+        vram_limit_bytes=limit,
     )
+    note = simulated_vram_note(build_lanes(found), memory=host[1])
+    return found if note is None else msgspec.structs.replace(found, notes=(*found.notes, note))

@@ -162,6 +162,9 @@ class Inventory(msgspec.Struct, frozen=True, kw_only=True):
     source: DeviceSource | None = None
     # Not serialised: reads host memory afresh (each health probe calls it).
     host_memory: Callable[[], MemoryInfo] | None = None
+    # Simulated devices: their VRAM is host memory, and all lanes together may
+    # hold at most this much (machine/sim_vram.py). None: devices hold their own.
+    vram_limit_bytes: int | None = None
 
     def gpu(self, device_id: str) -> GpuDevice | None:
         for gpu in self.gpus:

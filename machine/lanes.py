@@ -14,6 +14,7 @@ import hashlib
 import msgspec
 
 from machine.inventory import Inventory
+from machine.sim_vram import cap_vram
 
 __all__ = [
     "CPU_POOL_UUID",
@@ -73,6 +74,9 @@ class Lane(msgspec.Struct, frozen=True, kw_only=True):
     visible_uuid: str | None
     accepts: frozenset[Isolation]
     vram_bytes: int = 0
+    # Simulated lanes only (their VRAM is host memory): the size the sim file
+    # declares; `vram_bytes` is what the host's memory lets the lane hold.
+    declared_vram_bytes: int | None = None
 
     @property
     def is_gpu(self) -> bool:
@@ -80,7 +84,8 @@ class Lane(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def build_lanes(inventory: Inventory) -> tuple[Lane, ...]:
-    """The CPU pool lane first, then GPUs in discovery order (MIG instances for MIG GPUs)."""
+    """The CPU pool lane first, then GPUs in discovery order (MIG instances for MIG GPUs);
+    simulated lanes' VRAM capped to `inventory.vram_limit_bytes` together."""
     lanes = [
         Lane(
             lane_id=lane_id_for(CPU_POOL_UUID),
@@ -114,4 +119,15 @@ def build_lanes(inventory: Inventory) -> tuple[Lane, ...]:
                     vram_bytes=gpu.memory_total_bytes,
                 )
             )
-    return tuple(lanes)
+    if inventory.vram_limit_bytes is None:
+        return tuple(lanes)
+    # The CPU pool (first) holds no buffers; the device lanes share the limit.
+    cpu, devices = lanes[0], lanes[1:]
+    granted = cap_vram([lane.vram_bytes for lane in devices], inventory.vram_limit_bytes)
+    return (
+        cpu,
+        *(
+            msgspec.structs.replace(lane, vram_bytes=size, declared_vram_bytes=lane.vram_bytes)
+            for lane, size in zip(devices, granted, strict=True)
+        ),
+    )

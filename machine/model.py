@@ -29,7 +29,7 @@ from machine.cgroups import Cgroups
 from machine.discovery import discover
 from machine.group_commit import GroupCommit
 from machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
-from machine.inventory import Inventory
+from machine.inventory import CpuInfo, Inventory, MemoryInfo
 from machine.journal import (
     EndedRecord,
     Journal,
@@ -165,11 +165,14 @@ class Machine:
         reconcile_grace: float = 5.0,
         cgroups: Cgroups | None = None,
         journal_timeout: float = 10.0,
+        host: tuple[CpuInfo, MemoryInfo] | None = None,
     ) -> Machine:
         """Discover, open and replay the journal, reconcile. Raises JournalError (unsafe
         journal path) and DiscoveryError (bad mode or sim file); NVML trouble is a
-        readiness reason in `inventory`, not an exception."""
-        inventory = await discover(devices, sim_file=sim_file, pynvml_module=pynvml_module)
+        readiness reason in `inventory`, not an exception. `host`: see `discover`."""
+        inventory = await discover(
+            devices, sim_file=sim_file, pynvml_module=pynvml_module, host=host
+        )
         ledger_box: list[Ledger] = []
 
         def transition(event: HealthTransition) -> None:

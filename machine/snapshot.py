@@ -24,7 +24,7 @@ from machine.inventory import (
     MigReading,
     Probe,
 )
-from machine.lanes import Isolation, LaneKind
+from machine.lanes import Isolation, Lane, LaneKind
 from machine.ledger import Ledger, ResourceAmounts
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "CapacitySection",
     "CpuSection",
     "DeviceSection",
+    "HostBackedVram",
     "LaneSection",
     "MemorySection",
     "MigSection",
@@ -110,6 +111,15 @@ class DeviceSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True
     minor_number: int | None = None
 
 
+class HostBackedVram(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A simulated lane's VRAM is host memory. `granted_bytes` (the lane's `vram_bytes`)
+    is less than `declared_bytes` (the sim file's) when the host cannot hold every
+    simulated lane's declared size: the snapshot's notes then say by how much."""
+
+    declared_bytes: int
+    granted_bytes: int
+
+
 class LaneSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     lane_id: str
     kind: LaneKind
@@ -122,6 +132,8 @@ class LaneSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Why the lane is unhealthy for a fault of its own (its lane host failed too
     # often), absent otherwise; the device's reasons are the device's.
     health_reason: str | None = None
+    # Simulated GPU and MIG lanes only; absent for real devices and the CPU pool.
+    host_backed_vram: HostBackedVram | None = None
 
 
 class Amounts(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -240,6 +252,12 @@ def _device(gpu: GpuDevice, health: HealthTracker) -> DeviceSection:
     )
 
 
+def _host_backed(lane: Lane) -> HostBackedVram | None:
+    if lane.declared_vram_bytes is None:
+        return None
+    return HostBackedVram(declared_bytes=lane.declared_vram_bytes, granted_bytes=lane.vram_bytes)
+
+
 def build_snapshot(
     *,
     node_id: str,
@@ -267,6 +285,7 @@ def build_snapshot(
             drained=ledger.is_drained(lane.lane_id),
             vram_bytes=lane.vram_bytes,
             health_reason=ledger.lane_fault(lane.lane_id),
+            host_backed_vram=_host_backed(lane),
         )
         for lane in ledger.lanes()
     )

@@ -97,6 +97,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     logs_retention: float
     dev_root: str
     lane_host_command: tuple[str, ...]
+    max_kernel_seconds: float
     log_level: LogLevel
     log_format: LogFormat
 
@@ -206,6 +207,13 @@ def _absolute_or_empty(text: str) -> str:
     return _absolute(text) if text else text
 
 
+def _kernel_seconds(value: float) -> float:
+    # A day at most: the edge waits for a kernel as long as it may run.
+    if not 0 < value <= 86400:
+        raise ValueError("must be above 0 and at most 86400 seconds")
+    return value
+
+
 _CHECKS: dict[str, Any] = {
     "listen": lambda v: split_listen(v) and v,
     "node_id": _node_id,
@@ -234,6 +242,7 @@ _CHECKS: dict[str, Any] = {
     "logs_retention": _positive,
     "dev_root": _absolute,
     "lane_host_command": _command,
+    "max_kernel_seconds": _kernel_seconds,
     "log_level": LogLevel,
     "log_format": LogFormat,
 }

@@ -261,6 +261,7 @@ class Daemon:
             ),
             max_queued=config.max_queued,
             max_running=config.max_running,
+            max_kernel_seconds=config.max_kernel_seconds,
             node_url=self.url,
             on_change=snapshots.mark_changed,
             guests=guests.policy,

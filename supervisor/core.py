@@ -29,7 +29,7 @@ from supervisor.guests import GuestPolicy
 from supervisor.health_coupling import HealthCoupling
 from supervisor.history import History
 from supervisor.lane_buffers import BUFFERS_PER_INVOCATION
-from supervisor.lane_owner import LaneOwner
+from supervisor.lane_owner import KERNEL_SECONDS, LaneOwner
 from supervisor.lane_routing import LaneRouting
 from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
 from supervisor.listing import ListQuery
@@ -81,6 +81,7 @@ class Supervisor:
         lane_work_deadline: float = 120.0,
         lane_host_start_wait: float = 60.0,
         lane_buffers_per_invocation: int = BUFFERS_PER_INVOCATION,
+        max_kernel_seconds: float = KERNEL_SECONDS,
         retain_ended: int = 1024,
         on_change: Callable[[], None] = lambda: None,
         guests: GuestPolicy | None = None,
@@ -99,7 +100,8 @@ class Supervisor:
             max_queued=max_queued,
             kill_grace=kill_grace,
             cleanup_deadline=cleanup_deadline,
-            lane_work_deadline=lane_work_deadline,
+            # A caller waits at least as long as its kernel may run, and then some.
+            lane_work_deadline=max(lane_work_deadline, max_kernel_seconds + 30),
             retain_ended=retain_ended,
             on_change=on_change,
             slots=trio.Semaphore(max_running),
@@ -127,7 +129,9 @@ class Supervisor:
                     on_recovered=self._health.lane_recovered,
                     on_session_failed=self._health.lane_session_failed,
                     on_host_call=on_lane_host_call,
+                    place=state.charges.place,
                     max_buffers_per_invocation=lane_buffers_per_invocation,
+                    max_kernel_seconds=max_kernel_seconds,
                 ),
             )
             for lane in machine.ledger.lanes()

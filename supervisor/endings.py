@@ -45,6 +45,7 @@ class Endings:
             node_url=state.node_url,
             kill_grace=state.kill_grace,
             guests=state.guests,
+            charges=state.charges,
         )
 
     def _run_env(self) -> RunEnv:
@@ -123,14 +124,10 @@ class Endings:
     ) -> InvocationStatus | None:
         """Free what `inv` holds and journal its ending, shielded and bounded; returns
         its final status (None when the cleanup overran its deadline)."""
-        grants = inv.reservation.lanes if inv.reservation else ()
+        charges = self._state.charges
         self.revoke(inv)  # first: none of its queued lane work runs any more
-        owners = [
-            owner
-            for grant in grants
-            if (owner := self._state.owners.get(grant.lane_id)) is not None and owner.holds(inv.id)
-        ]
-        if inv.logs is None and not owners:
+        owners = charges.owners_holding(inv)
+        if inv.logs is None and not owners and not charges.holds(inv.id):
             # Only the journal is awaited, and its commit is shielded and bounded by the
             # journal's own deadline: no cancel scope of ours is needed around it.
             return await self._release(inv, state, ended_at)
@@ -138,8 +135,8 @@ class Endings:
         with trio.move_on_after(self._state.cleanup_deadline, shield=True) as cleanup:
             if inv.logs is not None:
                 await inv.logs.close()  # complete: its followers end, its cut is final
-            for owner in owners:
-                await owner.free_invocation(inv.id)
+            await charges.end_sessions(inv)
+            await charges.release(inv.id)  # after its sessions: its usage is whole
             final = await self._release(inv, state, ended_at)
         if cleanup.cancelled_caught:
             log.error("cleanup of %s overran %ss", inv.id, self._state.cleanup_deadline)

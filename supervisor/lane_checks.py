@@ -104,6 +104,12 @@ def _execute(work: Execute) -> None:
         _scalar(f"args.{name}", value)
     for name, value in _named("buffers", work.buffers).items():
         _buffer_id(f"buffers.{name}", value)
+    timeout = work.timeout_s
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise _refuse("timeout_s", "must be a number of seconds")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise _refuse("timeout_s", "must be a finite number of seconds above 0")
 
 
 def _reserve(work: MemoryReserve) -> None:

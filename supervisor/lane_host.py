@@ -51,6 +51,7 @@ from lanehost.protocol import (
     WriteReply,
     frame,
 )
+from machine.cgroups import InvocationCgroup
 from machine.lanes import Lane
 from supervisor.lane_host_errors import FailureReason, LaneHostError, LaneHostFailed
 from supervisor.lane_host_pipes import HostPipes
@@ -151,12 +152,13 @@ class LaneHost:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def start(self) -> HelloReply:
-        """Start the host and greet it within `start_timeout`; LaneHostFailed if it cannot."""
+    async def start(self, *, cgroup: InvocationCgroup | None = None) -> HelloReply:
+        """Start the host (in `cgroup`, when given: an invocation's, which is then charged
+        for all it spends) and greet it within `start_timeout`; LaneHostFailed if it cannot."""
         async with self._lock:
             if self._process is not None or self._closed:
                 raise RuntimeError("a LaneHost starts once")
-            await self._spawn()
+            await self._spawn(None if cgroup is None else cgroup.preexec_join())
             hello = Hello(id=self._next_id(), version=PROTOCOL_VERSION)
             try:
                 reply = await self._exchange(hello, HelloReply, self._start_timeout)
@@ -176,9 +178,9 @@ class LaneHost:
             )
             return reply
 
-    async def _spawn(self) -> None:
+    async def _spawn(self, join: Callable[[], None] | None) -> None:
         try:
-            self._process = await start_host(self.lane_id, self._argv, self._env)
+            self._process = await start_host(self.lane_id, self._argv, self._env, join)
         except BaseException as exc:
             self._closed = True
             if isinstance(exc, (OSError, subprocess.SubprocessError)):

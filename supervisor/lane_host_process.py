@@ -51,10 +51,12 @@ def _libc_prctl() -> Callable[..., int] | None:
 _prctl = _libc_prctl()
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
+def _die_with_parent(parent: int, join: Callable[[], None] | None) -> Callable[[], None]:
     # Runs in the forked child before exec, with other threads' locks possibly
     # held: syscalls only - no imports, logging or allocation-heavy work.
     def setup() -> None:
+        if join is not None:  # the invocation's cgroups, before anything is charged
+            join()
         # Trusted, yet it needs none of the capabilities a non-root daemon holds (the
         # unit's CAP_SETUID, CAP_KILL...). Root would get them all back at exec, which
         # also clears the parent-death signal. First: a change of credentials clears it.
@@ -90,8 +92,15 @@ def _absolute_entries(path: str) -> str:
     return os.pathsep.join(p for p in path.split(os.pathsep) if os.path.isabs(p))
 
 
-async def start_host(lane_id: str, argv: Sequence[str], env: Mapping[str, str]) -> HostProcess:
-    """Start the host with its stdin and stdout piped to us; raises what `popen` raises."""
+async def start_host(
+    lane_id: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    join: Callable[[], None] | None = None,
+) -> HostProcess:
+    """Start the host with its stdin and stdout piped to us, first in the cgroups
+    `join` enters (what it spends is then charged there); raises what `popen` raises
+    (a join that fails: SubprocessError, and the host never runs)."""
     # On the daemon's fork thread, as guests are (supervisor/spawn.py):
     # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends,
     # and that thread lives as long as the daemon.
@@ -104,7 +113,7 @@ async def start_host(lane_id: str, argv: Sequence[str], env: Mapping[str, str]) 
             stdout=child_out,
             env=env,
             start_new_session=True,  # its own process group, away from terminal signals
-            preexec_fn=_die_with_parent(os.getpid()),
+            preexec_fn=_die_with_parent(os.getpid(), join),
         )
     except BaseException:
         os.close(to_host)

@@ -63,6 +63,7 @@ class LaneJobRunner:
         on_host_call: Callable[[str, float], None],
         max_buffers: int,
         max_buffers_per_invocation: int,
+        max_kernel_seconds: float,
     ) -> None:
         if not 1 <= max_buffers_per_invocation <= max_buffers:
             raise ValueError(
@@ -77,6 +78,7 @@ class LaneJobRunner:
         self._on_host_call = on_host_call
         self._max_buffers = max_buffers
         self._max_per_invocation = max_buffers_per_invocation
+        self._max_kernel_seconds = max_kernel_seconds
 
     async def handle(
         self, host: LaneDevice, token: str, work: LaneJob
@@ -125,12 +127,26 @@ class LaneJobRunner:
                 "lane %s: freeing %d buffers failed: %s", self._lane.lane_id, len(buffer_ids), exc
             )
 
+    def kernel_seconds(self, work: Execute) -> float:
+        """The kernel's deadline: the caller's own, never above the node's cap."""
+        cap = self._max_kernel_seconds
+        if work.timeout_s is None:
+            return cap
+        if work.timeout_s > cap:
+            raise LaneWorkError(
+                422, "bad_args", f"timeout_s: at most this node's --max-kernel-seconds, {cap}"
+            )
+        return work.timeout_s
+
     async def _execute(self, host: LaneDevice, sub: str, work: Execute) -> dict[str, object]:
+        seconds = self.kernel_seconds(work)
         for buffer_id in work.buffers.values():
             self._buffers.own(sub, buffer_id)
         if not self._usable(self._lane.lane_id):
             raise KernelError("lane_unhealthy", "the lane is not healthy")
-        result = await self._host_call("run", host.run(work.kernel, work.args, work.buffers))
+        result = await self._host_call(
+            "run", host.run(work.kernel, work.args, work.buffers, seconds=seconds)
+        )
         if not self._usable(self._lane.lane_id):  # a fault reached the lane while it ran
             raise KernelError("lane_unhealthy", "the lane failed while the work ran")
         return dict(result)

@@ -34,17 +34,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefused
 from lanehost.protocol import MAX_BUFFERS
+from machine.cgroups import InvocationCgroup
 from machine.lanes import Lane
 from supervisor.lane_buffers import BUFFERS_PER_INVOCATION, LaneBuffers
 from supervisor.lane_host_errors import LaneHostFailed
 from supervisor.lane_jobs import LaneJobRunner
-from supervisor.lane_session import CLOSE_SECONDS, LaneSession, SessionJob, heartbeat
+from supervisor.lane_session import CLOSE_SECONDS, LaneSession, SessionJob, heartbeat, unplaced
 from supervisor.lane_work import (
     Download,
     LaneBusy,
@@ -55,7 +56,7 @@ from supervisor.lane_work import (
     lane_op,
 )
 
-__all__ = ["LaneBusy", "LaneOwner", "LaneRecovery", "LaneWorkError"]
+__all__ = ["KERNEL_SECONDS", "LaneBusy", "LaneOwner", "LaneRecovery", "LaneWorkError"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ _PROBLEM_CHARS = 200  # of the last host failure, in a faulted lane's reason
 # so every running invocation can have one; each is a process (about 31 MiB of
 # host memory with NumPy, a CUDA context on a GPU).
 SESSIONS_PER_LANE = 64
+# A kernel's deadline when its request names none, and the most one may name
+# (the daemon's --max-kernel-seconds).
+KERNEL_SECONDS = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +93,12 @@ class LaneOwner:
         on_recovered: Callable[[str], None] = lambda _lane: None,
         on_session_failed: Callable[[str, str, str], None] = lambda _lane, _sub, _code: None,
         on_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
+        place: Callable[[str, str], Awaitable[InvocationCgroup | None]] = unplaced,
         share: int = 8,
         max_sessions: int = SESSIONS_PER_LANE,
         max_buffers: int = MAX_BUFFERS,
         max_buffers_per_invocation: int = BUFFERS_PER_INVOCATION,
+        max_kernel_seconds: float = KERNEL_SECONDS,
         max_restarts: int = 5,
         window: float = 60.0,
         recovery: LaneRecovery = LaneRecovery(),
@@ -104,6 +110,10 @@ class LaneOwner:
         self._on_recovered = on_recovered
         self._on_session_failed = on_session_failed
         self._recovery = recovery
+        self._place = place
+        # Invocations whose session's host failed to start: (failures, no new session
+        # before this trio time). Kept while the invocation lives (`free_invocation`).
+        self._start_backoff: dict[str, tuple[int, float]] = {}
         self.share = share  # jobs one invocation may have queued on this lane
         self._max_sessions = max_sessions
         self._buffers = LaneBuffers(lane.vram_bytes)
@@ -116,6 +126,7 @@ class LaneOwner:
             on_host_call=on_host_call,
             max_buffers=max_buffers,
             max_buffers_per_invocation=max_buffers_per_invocation,
+            max_kernel_seconds=max_kernel_seconds,
         )
         self.sessions: dict[str, LaneSession] = {}  # by invocation
         self._closing: dict[str, LaneSession] = {}  # sessions being ended, by invocation
@@ -190,6 +201,14 @@ class LaneOwner:
             return session
         if len(self.sessions) >= self._max_sessions:
             raise LaneBusy(self.lane.lane_id)
+        failures, retry_at = self._start_backoff.get(invocation_id, (0, 0.0))
+        if trio.current_time() < retry_at:  # a host of its own just failed to start
+            raise LaneWorkError(
+                503,
+                "lane_session_failed",
+                f"its lane host failed to start {failures} time(s); "
+                f"retry in {retry_at - trio.current_time():.1f} s",
+            )
         session = LaneSession(
             self.lane.lane_id,
             invocation_id,
@@ -199,6 +218,7 @@ class LaneOwner:
             heartbeat_interval=self._recovery.heartbeat_interval,
             heartbeat_timeout=self._recovery.heartbeat_timeout,
             on_failed=self._session_failed,
+            place=self._place,
         )
         self.sessions[invocation_id] = session
         self.session_starts += 1
@@ -213,8 +233,21 @@ class LaneOwner:
         finally:
             if self.sessions.get(invocation_id) is session:
                 del self.sessions[invocation_id]
+                self._note_start(session)
             if invocation_id not in self.sessions:  # (not a newer session's book)
                 self._buffers.forget(invocation_id)  # its host is gone, and every buffer
+
+    def _note_start(self, session: LaneSession) -> None:
+        """A session whose host failed to start: its invocation waits before the next
+        (1 s, doubling to 60 s), so a host that cannot start is not spawned for every
+        request; one that started clears the wait."""
+        invocation_id = session.invocation_id
+        if not session.start_failed:
+            self._start_backoff.pop(invocation_id, None)
+            return
+        failures = self._start_backoff.get(invocation_id, (0, 0.0))[0] + 1
+        wait = min(self._recovery.retry_initial * 2 ** (failures - 1), self._recovery.retry_max)
+        self._start_backoff[invocation_id] = (failures, trio.current_time() + wait)
 
     def _session_failed(self, session: LaneSession, code: str, message: str) -> None:
         """A session that had started failed: its invocation ends with the reason;
@@ -247,6 +280,7 @@ class LaneOwner:
             invocation_id in self.sessions
             or invocation_id in self._closing
             or self._buffers.holds_any(invocation_id)
+            or invocation_id in self._start_backoff
         )
 
     async def free_invocation(self, invocation_id: str) -> int:
@@ -266,6 +300,7 @@ class LaneOwner:
                     del self._closing[invocation_id]
         if invocation_id not in self.sessions:
             self._buffers.forget(invocation_id)
+        self._start_backoff.pop(invocation_id, None)
         return freed
 
     # -- the owner task ---------------------------------------------------------------

@@ -16,12 +16,14 @@ host a heartbeat, so a hung host is found without a request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from capabilities import TokenRefused
+from machine.cgroups import CgroupError, InvocationCgroup
 from supervisor.lane_host_errors import LaneHostError, LaneHostFailed
 from supervisor.lane_jobs import LaneJobRunner
 from supervisor.lane_work import (
@@ -33,8 +35,16 @@ from supervisor.lane_work import (
     LaneWorkReply,
     MemoryReserve,
 )
+from supervisor.process_cgroup import CGROUP_THREAD
 
-__all__ = ["CLOSE_SECONDS", "HOST_CODES", "LaneSession", "SessionJob", "heartbeat"]
+__all__ = [
+    "CLOSE_SECONDS",
+    "HOST_CODES",
+    "LaneSession",
+    "SessionJob",
+    "heartbeat",
+    "unplaced",
+]
 
 # The name these lines have always been logged under: operators' filters keep matching.
 log = logging.getLogger("supervisor.lane_owner")
@@ -83,6 +93,18 @@ def _failure_code(exc: LaneHostFailed, running: SessionJob | None) -> str:
     return "lane_session_failed"
 
 
+def _out_of_memory(cgroup: InvocationCgroup) -> bool:
+    """Whether the kernel's OOM killer struck in the cgroup (blocking: a cgroupfs read)."""
+    try:
+        return cgroup.usage().oom_killed
+    except CgroupError:
+        return False  # gone with its invocation: nothing says it was memory
+
+
+async def unplaced(_lane_id: str, _invocation_id: str) -> InvocationCgroup | None:
+    return None
+
+
 class LaneSession:
     def __init__(
         self,
@@ -95,6 +117,7 @@ class LaneSession:
         heartbeat_interval: float,
         heartbeat_timeout: float,
         on_failed: Callable[[LaneSession, str, str], None],
+        place: Callable[[str, str], Awaitable[InvocationCgroup | None]] = unplaced,
     ) -> None:
         self.lane_id = lane_id
         self.invocation_id = invocation_id
@@ -104,6 +127,9 @@ class LaneSession:
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_timeout = heartbeat_timeout
         self._on_failed = on_failed  # (this session, reason code, message)
+        self._place = place  # the cgroup its host runs in: the invocation's (LaneCharges)
+        self.cgroup: InvocationCgroup | None = None
+        self.start_failed = False  # its host never answered its hello
         self.current: SessionJob | None = None
         self.started = False  # its host answered its hello: a failure is then the session's
         self.ended = trio.Event()
@@ -114,12 +140,13 @@ class LaneSession:
         self._watching = trio.CancelScope()  # the watcher's, cancelled when the session ends
         self._host_started = trio.Event()
         self._failed_as: str | None = None  # the reason a failed request gave its caller
+        self._refused: LaneWorkError | None = None  # why its work may not run (placement)
 
     # -- what other tasks call ------------------------------------------------------
     def put(self, job: SessionJob) -> None:
         """Queue a job, never waiting for room: a full queue is 429 at once."""
         if self._ending is not None:
-            raise LaneWorkError(503, "lane_session_failed", self._ending)
+            raise self._refusal()
         try:
             self._send.send_nowait(job)
         except trio.WouldBlock:
@@ -143,7 +170,17 @@ class LaneSession:
         try:
             with self._scope:
                 task_status.started()
-                await self.host.start()
+                try:
+                    self.cgroup = await self._place(self.lane_id, self.invocation_id)
+                except LaneWorkError as exc:  # nowhere its work may run: refused, not failed
+                    self._refused = exc
+                    self._stop(str(exc))
+                    return
+                try:
+                    await self.host.start(cgroup=self.cgroup)
+                except LaneHostFailed:
+                    self.start_failed = True
+                    raise
                 self.started = True
                 self._host_started.set()
                 await self._serve()
@@ -151,6 +188,8 @@ class LaneSession:
             if isinstance(exc, LaneHostFailed):
                 code = self._failed_as or _failure_code(exc, None)
                 message = f"{exc.reason}: {exc.message}"
+                if await self._oom_killed():
+                    code, message = "out_of_memory", f"out of memory in its cgroup ({message})"
             else:  # a fault of ours: it ends this session only, never the owner
                 log.exception(
                     "lane %s: the session of %s crashed", self.lane_id, self.invocation_id
@@ -171,6 +210,18 @@ class LaneSession:
             finally:
                 self.ended.set()
 
+    async def _oom_killed(self) -> bool:
+        cgroup = self.cgroup
+        if cgroup is None:
+            return False
+        with trio.move_on_after(CLOSE_SECONDS, shield=True):
+            return await CGROUP_THREAD.run(functools.partial(_out_of_memory, cgroup), shield=True)
+        return False
+
+    def _refusal(self) -> LaneWorkError:
+        assert self._ending is not None
+        return self._refused or LaneWorkError(503, "lane_session_failed", self._ending)
+
     def _stop(self, why: str) -> None:
         """Refuse what is queued and anything put later."""
         if self._ending is None:
@@ -181,7 +232,7 @@ class LaneSession:
             except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
                 return
             if not job.done.is_set():
-                job.error = LaneWorkError(503, "lane_session_failed", self._ending)
+                job.error = self._refusal()
                 job.done.set()
 
     async def watch(self) -> None:
@@ -236,6 +287,8 @@ class LaneSession:
             job.error = LaneWorkError(status, code, exc.message)
         except LaneHostFailed as exc:
             code = self._failed_as = _failure_code(exc, job)
+            if await self._oom_killed():
+                code = self._failed_as = "out_of_memory"
             job.error = LaneWorkError(503, code, f"the invocation's lane host failed: {exc.reason}")
             raise
         except BaseException:

@@ -17,6 +17,7 @@ import msgspec
 
 from capabilities import LaneOp
 from lanehost.protocol import MAX_ARGS, MAX_DATA_BYTES, MAX_DIM, MAX_DIMS, Dtype, Scalar
+from machine.cgroups import InvocationCgroup
 
 __all__ = [
     "BUFFER_ID_PATTERN",
@@ -96,6 +97,10 @@ class Execute(
     buffers: Annotated[dict[_Name, _BufferId], msgspec.Meta(max_length=MAX_ARGS)] = msgspec.field(
         default_factory=dict
     )
+    # The kernel's own deadline in seconds, at most the node's --max-kernel-seconds
+    # (and that when absent): past it the invocation's lane session ends, and the
+    # invocation with `kernel_timeout`.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 LaneWorkRequest = MemoryReserve | MemoryRelease | Execute
@@ -175,7 +180,9 @@ class LaneDevice(Protocol):
     Refusals raise `LaneHostError`; a host that cannot be trusted raises
     `LaneHostFailed`."""
 
-    async def start(self) -> object: ...
+    async def start(self, *, cgroup: InvocationCgroup | None = None) -> object:
+        """Start the host; in `cgroup` (an invocation's) when given, charged there."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -197,5 +204,12 @@ class LaneDevice(Protocol):
     async def read(self, buffer_id: str, offset: int, length: int) -> bytes: ...
 
     async def run(
-        self, kernel: str, args: Mapping[str, Scalar], buffers: Mapping[str, str]
-    ) -> dict[str, Scalar]: ...
+        self,
+        kernel: str,
+        args: Mapping[str, Scalar],
+        buffers: Mapping[str, str],
+        *,
+        seconds: float | None = None,
+    ) -> dict[str, Scalar]:
+        """Run the kernel; `seconds`: its deadline (None: the host's own)."""
+        ...

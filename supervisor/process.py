@@ -136,6 +136,8 @@ async def run_process(
     parent_env: Mapping[str, str] | None = None,
     on_usage: Callable[[CgroupUsage], None] | None = None,
     sinks: tuple[Sink, Sink] | None = None,
+    on_cgroup: Callable[[InvocationCgroup], None] | None = None,
+    before_cgroup_end: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
@@ -146,6 +148,9 @@ async def run_process(
     defaults to os.environ. `sinks` (stdout's, stderr's) see every chunk of output
     as it comes (the invocation's log files). `on_usage` gets the cgroup's own counters (CPU time,
     peak memory, OOM kills, refused forks) once everything in it has ended.
+    `on_cgroup` learns of the cgroup once it is made (others may join it: the
+    invocation's lane hosts), and `before_cgroup_end` is awaited once the guest's
+    group has ended, before the cgroup is emptied, read and removed.
     """
     validate_spec(spec)
     env = build_environment(spec, os.environ if parent_env is None else parent_env)
@@ -178,6 +183,8 @@ async def run_process(
     finally:
         os.close(gate_read)
         launch.close()
+    if cgroup is not None and on_cgroup is not None:
+        on_cgroup(cgroup)
     pgid = proc.pid  # start_new_session: the child leads its own group
     pidfd = _open_pidfd(proc.pid)
     ended = False
@@ -188,8 +195,13 @@ async def run_process(
         if ended:
             return
         ended = True
+        # The hook bounds itself; the group's ending and the cgroup's have this.
         with trio.move_on_after(kill_grace + 15, shield=True):
             await terminate_group(pgid, kill_grace, leader=proc)
+        with trio.CancelScope(shield=True):
+            if cgroup is not None and before_cgroup_end is not None:
+                await before_cgroup_end()
+        with trio.move_on_after(15, shield=True):
             if cgroup is not None:
                 await end_cgroup(cgroup, spec.cgroup_name, on_usage)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import trio
@@ -12,6 +13,7 @@ from machine.lanes import LaneKind
 from supervisor.builtins import BUILTINS
 from supervisor.guests import GuestPolicy, GuestSession, guest_session
 from supervisor.invocation import Invocation
+from supervisor.lane_charges import LaneCharges
 from supervisor.logstore import InvocationLogs
 from supervisor.output import Sink
 from supervisor.process import ProcessSpec, run_process
@@ -28,6 +30,7 @@ class RunEnv:
     node_url: str
     kill_grace: float
     guests: GuestPolicy
+    charges: LaneCharges  # where its lane sessions run: its guest's cgroup
 
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,8 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
             cgroups=sup.guests.cgroups,
             on_usage=inv.record_usage,
             sinks=None if logs is None else (_sink(logs, "stdout"), _sink(logs, "stderr")),
+            on_cgroup=functools.partial(sup.charges.guest_confined, inv.id),
+            before_cgroup_end=functools.partial(sup.charges.guest_ending, inv),
         )
 
 

@@ -21,6 +21,7 @@ from supervisor.events import EventHub
 from supervisor.guests import GuestPolicy
 from supervisor.history import History
 from supervisor.invocation import Invocation
+from supervisor.lane_charges import LaneCharges
 from supervisor.lane_owner import LaneOwner
 from supervisor.logstore import LogStore
 from supervisor.wire import InvocationState, NodeEvent
@@ -59,6 +60,11 @@ class SupervisorState:
     drained: bool = False
     nursery: trio.Nursery | None = None
     owners: dict[str, LaneOwner] = dataclasses.field(default_factory=dict)
+    # Where lane sessions run (made by the facade over `live` and `owners`).
+    charges: LaneCharges = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.charges = LaneCharges(self.live, self.owners, lambda: self.guests)
 
 
 class _HasState(Protocol):

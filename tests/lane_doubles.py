@@ -42,6 +42,7 @@ from lanehost.protocol import (
     WriteReply,
 )
 from lanehost.state import LaneState
+from machine.cgroups import InvocationCgroup
 from machine.lanes import Lane
 from supervisor.lane_host import LaneHostError, LaneHostFailed
 
@@ -58,6 +59,8 @@ class InProcessHost:
         self.closed = False
         self.hung = False
         self.heartbeats = 0  # `stats` requests
+        self.deadlines: list[float | None] = []  # each kernel's, as asked
+        self.cgroup: InvocationCgroup | None = None  # where it was started
         self.refuse_start = False
         self.start_gate: trio.Event | None = None
         self.close_gate: trio.Event | None = None  # set: closing waits for it
@@ -78,7 +81,8 @@ class InProcessHost:
         assert isinstance(reply, expected)
         return reply
 
-    async def start(self) -> HelloReply:
+    async def start(self, *, cgroup: InvocationCgroup | None = None) -> HelloReply:
+        self.cgroup = cgroup
         if self.start_gate is not None:
             await self.start_gate.wait()
         if self.refuse_start:
@@ -132,10 +136,21 @@ class InProcessHost:
         return bytes((await self._call(msg, ReadReply)).data)
 
     async def run(
-        self, kernel: str, args: Mapping[str, Scalar], buffers: Mapping[str, str]
+        self,
+        kernel: str,
+        args: Mapping[str, Scalar],
+        buffers: Mapping[str, str],
+        *,
+        seconds: float | None = None,
     ) -> dict[str, Scalar]:
+        self.deadlines.append(seconds)
         if kernel == "sleep":
-            await trio.sleep(float(args.get("seconds", 0)))
+            # Past its deadline the host is killed, as LaneHost kills one that overran.
+            with trio.move_on_after(float("inf") if seconds is None else seconds) as late:
+                await trio.sleep(float(args.get("seconds", 0)))
+            if late.cancelled_caught:
+                self.die()
+                raise LaneHostFailed(self.lane_id, "timeout", f"no answer to Run in {seconds} s")
             return {"seconds": args.get("seconds", 0)}
         if kernel == "boom":
             raise RuntimeError("a kernel that should never raise did")

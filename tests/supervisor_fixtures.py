@@ -20,6 +20,7 @@ import trio.testing
 from capabilities import KeyRing, LaneOp, TokenRefusal, TokenRefused, TokenService
 from machine import Machine
 from machine.health import HealthTransition
+from machine.inventory import CpuInfo, MemoryInfo
 from machine.journal import Journal, JournalError
 from machine.lanes import Isolation, Lane, LaneKind, Requirement
 from machine.ledger import CapacityView
@@ -87,6 +88,14 @@ class FaultyJournalMachine(Machine):
         return await super()._journal(write)
 
 
+# A host with room for the sim workstation's 48 GiB of VRAM, whatever machine runs
+# the tests: its lanes keep their declared sizes (machine/sim_vram.py caps them).
+ROOMY_HOST = (
+    CpuInfo(logical_cores=16, physical_cores=8, model="test", numa_nodes=1, capacity_millis=16000),
+    MemoryInfo(total_bytes=128 * GiB, available_bytes=128 * GiB, capacity_bytes=128 * GiB),
+)
+
+
 async def open_machine(state_dir: Path, *, cls: type[Machine] = Machine, **kw: Any) -> Machine:
     return await cls.open(
         node_id=NODE,
@@ -96,7 +105,7 @@ async def open_machine(state_dir: Path, *, cls: type[Machine] = Machine, **kw: A
         reserved_cpu_millis=0,
         reserved_memory_bytes=0,
         vram_headroom_bytes=0,
-        **kw,
+        **{"host": ROOMY_HOST, **kw},
     )
 
 

@@ -114,6 +114,25 @@ class InvocationCgroup:
     def usage(self) -> CgroupUsage:
         return read_usage(self.version, self.dirs)
 
+    def grow_memory(self, nbytes: int) -> None:
+        """Raise its memory limit by `nbytes` (blocking: cgroupfs writes), for
+        something that joins it with a cost of its own: an invocation's lane host."""
+        try:
+            if self.version == "v1":
+                memory = self.dirs["memory"]
+                limit = int(read_control(memory / "memory.limit_in_bytes")) + nbytes
+                swap = memory / "memory.memsw.limit_in_bytes"
+                if swap.exists():  # never below limit_in_bytes: raised first
+                    self.fs.write(swap, str(limit))
+                self.fs.write(memory / "memory.limit_in_bytes", str(limit))
+                return
+            control = self.dirs["unified"] / "memory.max"
+            current = read_control(control).strip()
+            if current != "max":
+                self.fs.write(control, str(int(current) + nbytes))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CgroupError("limit_failed", f"{self.name}: memory: {exc}") from exc
+
     def pids(self) -> frozenset[int]:
         """Every process in the cgroup, nested cgroups included."""
         found: set[int] = set()

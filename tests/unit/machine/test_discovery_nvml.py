@@ -61,6 +61,13 @@ async def test_healthy_gpu_and_mig_gpu() -> None:
         (LaneKind.MIG, "MIG-b1"),
         (LaneKind.MIG, "MIG-b2"),
     ]
+    # Real devices hold their own memory: never capped to the host's (140 GiB here).
+    assert inv.vram_limit_bytes is None
+    assert [(lane.vram_bytes, lane.declared_vram_bytes) for lane in lanes[1:]] == [
+        (80 * GiB, None),
+        (40 * GiB, None),
+        (20 * GiB, None),
+    ]
     first = {p.device_id: p for p in inv.probes}
     assert first["GPU-aaaa"].status is ProbeStatus.OK
     assert first["GPU-aaaa"].temperature_c == 40.0 and first["GPU-aaaa"].power_w == 70.0

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 
 from machine.discovery import DiscoveryError, discover
-from machine.discovery_sim import SimError, load_sim_spec, parse_size
+from machine.discovery_sim import SimError, discover_sim, load_sim_spec, parse_size
 from machine.health import HealthState, HealthTracker, HealthTransition
-from machine.lanes import LaneKind, build_lanes
+from machine.inventory import CpuInfo, Inventory, MemoryInfo
+from machine.lanes import LaneKind, Requirement, build_lanes
+from machine.ledger import Ledger, RefusalReason, ReservationRefused, ReservationRequest
 from machine.monitor import monitor_devices
 
 GiB = 1 << 30
@@ -134,3 +137,86 @@ async def test_monitor_loop_rediscovers(autojump_clock: trio.testing.MockClock) 
     assert (G2, HealthState.LOST) in [(e.device_id, e.to_state) for e in events]
     assert tracker.state(G2) is HealthState.HEALTHY
     await inv.source.aclose()
+
+
+def host(available: int, capacity: int = 20 * GiB) -> tuple[CpuInfo, MemoryInfo]:
+    """A fake host (never the real machine's memory)."""
+    cpu = CpuInfo(
+        logical_cores=2, physical_cores=1, model="test", numa_nodes=1, capacity_millis=2000
+    )
+    return cpu, MemoryInfo(total_bytes=capacity, available_bytes=available, capacity_bytes=capacity)
+
+
+async def sim_on(available: int, capacity: int = 20 * GiB) -> Inventory:
+    inv = await discover_sim(load_sim_spec(), host=host(available, capacity))
+    assert inv.source is not None
+    await inv.source.aclose()
+    return inv
+
+
+async def test_simulated_vram_capped_to_host_memory() -> None:
+    # The built-in workstation declares 48 GiB of VRAM; this host has 20 GiB of memory.
+    inv = await sim_on(18 * GiB)
+    roomy = build_lanes(await sim_on(1 << 50, capacity=1 << 50))
+    lanes = build_lanes(inv)
+    assert inv.vram_limit_bytes == 10 * GiB
+    assert sum(lane.vram_bytes for lane in lanes) <= 10 * GiB
+    assert [lane.declared_vram_bytes for lane in lanes] == [
+        None,
+        24 * GiB,
+        6 * GiB,
+        6 * GiB,
+        12 * GiB,
+    ]
+    assert [lane.vram_bytes for lane in lanes[1:]] == [
+        5120 << 20,
+        1280 << 20,
+        1280 << 20,
+        2560 << 20,
+    ]
+    # Only the sizes change: ids, kinds, devices and isolation are as on a roomy host.
+    same = [
+        msgspec.structs.replace(a, vram_bytes=b.vram_bytes)
+        for a, b in zip(lanes, roomy, strict=True)
+    ]
+    assert tuple(same) == roomy
+    assert build_lanes(await sim_on(19 * GiB)) == lanes  # deterministic, and a restart agrees
+    assert len(inv.notes) == 1 and inv.notes[0].startswith(
+        "simulated VRAM capped to host memory available: 10,737,418,240 of 51,539,607,552 bytes"
+    )
+    assert inv.memory.total_bytes == 64 * GiB  # the sim file's RAM section is not the host
+
+
+async def test_simulated_vram_within_host_memory_unchanged() -> None:
+    inv = await sim_on(100 * GiB, capacity=128 * GiB)
+    lanes = build_lanes(inv)
+    assert [lane.vram_bytes for lane in lanes] == [0, 24 * GiB, 6 * GiB, 6 * GiB, 12 * GiB]
+    assert [lane.declared_vram_bytes for lane in lanes[1:]] == [
+        24 * GiB,
+        6 * GiB,
+        6 * GiB,
+        12 * GiB,
+    ]
+    assert inv.notes == ()
+
+
+async def test_simulated_vram_never_more_than_available() -> None:
+    inv = await sim_on(3 * GiB)  # half of 20 GiB would be 10; only 3 are available
+    assert sum(lane.vram_bytes for lane in build_lanes(inv)) == 3 * GiB
+    assert "never more than the 3,072 MiB available at start" in inv.notes[0]
+
+
+async def test_no_host_memory_available_promises_no_vram() -> None:
+    # Fail closed: a host (or cgroup) with nothing available backs no simulated VRAM.
+    inv = await sim_on(0)
+    lanes = build_lanes(inv)
+    assert [lane.vram_bytes for lane in lanes] == [0, 0, 0, 0, 0]
+    assert inv.notes[0].startswith("simulated VRAM capped to host memory available: 0 of")
+    healthy = {gpu.uuid: HealthState.HEALTHY for gpu in inv.gpus}
+    ledger = Ledger(
+        lanes=lanes, cpu_capacity_millis=2000, memory_capacity_bytes=GiB, device_health=healthy
+    )
+    gpu = ReservationRequest(reservation_id="r", requirement=Requirement.GPU, gpus=1, vram_bytes=1)
+    with pytest.raises(ReservationRefused) as refused:
+        ledger.reserve(gpu)
+    assert refused.value.reason is RefusalReason.INSUFFICIENT_VRAM

@@ -10,12 +10,19 @@ import msgspec
 import pytest
 
 from machine.discovery import discover
+from machine.discovery_sim import discover_sim, load_sim_spec
 from machine.health import HealthState, HealthTracker
-from machine.inventory import Inventory
+from machine.inventory import CpuInfo, Inventory, MemoryInfo
 from machine.lanes import Isolation, Requirement, build_lanes
 from machine.ledger import Ledger, ReservationRequest
 from machine.monitor import sync_ledger
-from machine.snapshot import SCHEMA_VERSION, NodeSnapshot, build_snapshot, rfc3339
+from machine.snapshot import (
+    SCHEMA_VERSION,
+    HostBackedVram,
+    NodeSnapshot,
+    build_snapshot,
+    rfc3339,
+)
 
 GiB = 1 << 30
 _TYPES = {
@@ -63,8 +70,18 @@ def validate(value: Any, schema: dict[str, Any], defs: dict[str, Any], path: str
             validate(item, schema["items"], defs, f"{path}[{i}]")
 
 
-async def machine() -> tuple[Inventory, HealthTracker, Ledger]:
-    inv = await discover("sim")
+def host(available: int) -> tuple[CpuInfo, MemoryInfo]:
+    """A fake host, so that the simulated VRAM cap never depends on this machine."""
+    cpu = CpuInfo(
+        logical_cores=2, physical_cores=1, model="test", numa_nodes=1, capacity_millis=2000
+    )
+    return cpu, MemoryInfo(
+        total_bytes=available, available_bytes=available, capacity_bytes=available
+    )
+
+
+async def machine(available: int = 1 << 50) -> tuple[Inventory, HealthTracker, Ledger]:
+    inv = await discover_sim(load_sim_spec(), host=host(available))
     tracker = HealthTracker()
     for probe in inv.probes:
         tracker.register(probe.device_id)
@@ -152,6 +169,43 @@ async def test_schema_shape_matches_encoding() -> None:
         assert value == value.lower()  # snake_case enum values
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(msgspec.json.encode({**encoded, "extra": 1}), type=NodeSnapshot)
+
+
+async def test_snapshot_shows_simulated_vram_capped_to_host_memory() -> None:
+    inv, tracker, ledger = await machine(available=24 * GiB)
+    snap = build_snapshot(node_id="n", sequence=1, inventory=inv, health=tracker, ledger=ledger)
+    cpu, *devices = snap.lanes
+    assert cpu.host_backed_vram is None and cpu.vram_bytes == 0
+    granted = [6 * GiB, 1536 << 20, 1536 << 20, 3 * GiB]
+    assert [lane.host_backed_vram for lane in devices] == [
+        HostBackedVram(declared_bytes=declared * GiB, granted_bytes=size)
+        for declared, size in zip((24, 6, 6, 12), granted, strict=True)
+    ]
+    assert [lane.vram_bytes for lane in devices] == granted
+    assert [v.capacity for v in snap.capacity.vram_bytes] == granted
+    assert [n for n in snap.notes if n.startswith("simulated VRAM capped")] == [
+        "simulated VRAM capped to host memory available: 12,884,901,888 of 51,539,607,552 "
+        "bytes (12,288 MiB of the 49,152 MiB the sim file declares); simulated VRAM is host "
+        "memory, and lanes get at most 1/2 of this host's 24,576 MiB (its cgroup limit when "
+        "lower), never more than the 24,576 MiB available at start"
+    ]
+    encoded = json.loads(msgspec.json.encode(snap))
+    schema = msgspec.json.schema(NodeSnapshot)
+    validate(encoded, schema, schema["$defs"])
+    assert encoded["lanes"][1]["host_backed_vram"] == {
+        "declared_bytes": 24 * GiB,
+        "granted_bytes": 6 * GiB,
+    }
+
+
+async def test_snapshot_of_simulated_vram_within_host_memory() -> None:
+    inv, tracker, ledger = await machine()
+    snap = build_snapshot(node_id="n", sequence=1, inventory=inv, health=tracker, ledger=ledger)
+    shown = [lane.host_backed_vram for lane in snap.lanes[1:]]
+    assert [(v.declared_bytes, v.granted_bytes) for v in shown if v] == [
+        (size * GiB, size * GiB) for size in (24, 6, 6, 12)
+    ]
+    assert not any(n.startswith("simulated VRAM capped") for n in snap.notes)
 
 
 async def test_cpu_only_snapshot() -> None:

@@ -69,8 +69,9 @@ async def test_a_kernel_past_the_deadline_ends_its_invocation_and_the_neighbour_
 ) -> None:
     """The report: one legal, slow kernel (a float16 matmul, which NumPy runs without
     BLAS) held the shared host past its deadline; the host was killed and the tenant
-    holding a buffer beside it was cancelled. Real hosts, a short deadline."""
-    hosts = lane_host_factory(backend="numpy", op_timeout=0.3)
+    holding a buffer beside it was cancelled. Real hosts, a short deadline of the
+    slow tenant's own asking."""
+    hosts = lane_host_factory(backend="numpy")
     async with open_rig(tmp_path, lane_hosts=hosts) as rig:
         lane_id, slow = only_lane(await rig.sup.submit(gpu_work("slow")))
         _, holder = only_lane(await rig.sup.submit(gpu_work("holder")))
@@ -88,7 +89,8 @@ async def test_a_kernel_past_the_deadline_ends_its_invocation_and_the_neighbour_
             assert reply.buffer_id is not None
             matrices[name] = reply.buffer_id
         with pytest.raises(LaneWorkError) as overran:
-            await rig.sup.lane_work(lane_id, slow, Execute(kernel="matmul", buffers=matrices))
+            matmul = Execute(kernel="matmul", buffers=matrices, timeout_s=0.3)
+            await rig.sup.lane_work(lane_id, slow, matmul)
         assert (overran.value.status, overran.value.code) == (503, "kernel_timeout")
         assert await rig.wait_terminal("slow") is S.cancelled
         assert rig.sup.get("slow").reason == "kernel_timeout"
@@ -100,3 +102,58 @@ async def test_a_kernel_past_the_deadline_ends_its_invocation_and_the_neighbour_
         )
         assert mine == data
         await rig.sup.cancel("holder")
+
+
+async def test_each_kernels_deadline_is_its_own_requests_capped_by_the_node(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """The deadline was the lane's (30 s for everyone). Now a request names its own,
+    at most --max-kernel-seconds, which is also the deadline of one that names none:
+    a tenant's 1 s deadline ends only its own invocation, while a neighbour's 3 s
+    kernel with a 5 s deadline runs to its end beside it."""
+    async with open_rig(tmp_path, max_kernel_seconds=10.0) as rig:
+        lane_id, hasty = only_lane(await rig.sup.submit(gpu_work("hasty")))
+        _, patient = only_lane(await rig.sup.submit(gpu_work("patient")))
+        results: dict[str, object] = {}
+
+        async def ask(name: str, token: str, work: Execute) -> None:
+            try:
+                results[name] = (await rig.sup.lane_work(lane_id, token, work)).result
+            except LaneWorkError as exc:
+                results[name] = exc.code
+
+        sleep = {"seconds": 3}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "hasty", hasty, Execute(kernel="sleep", args=sleep, timeout_s=1))
+            nursery.start_soon(
+                ask, "patient", patient, Execute(kernel="sleep", args=sleep, timeout_s=5)
+            )
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(1.5)  # past the hasty one's deadline, within the other's
+            assert await rig.wait_terminal("hasty") is S.cancelled
+            assert results == {"hasty": "kernel_timeout"}
+            mock_clock.jump(2)  # the patient one's kernel is done
+        assert results == {"hasty": "kernel_timeout", "patient": {"seconds": 3}}
+        assert rig.sup.get("hasty").reason == "kernel_timeout"
+        assert rig.sup.get("patient").state is S.running
+        await rig.sup.lane_work(lane_id, patient, Execute(kernel="noop"))
+        hosts = rig.in_process_hosts
+        assert [host.deadlines for host in hosts.made[lane_id][1:]] == [[1], [5, 10.0]]
+        await rig.sup.cancel("patient")
+
+
+async def test_a_deadline_above_the_nodes_cap_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    async with open_rig(tmp_path, max_kernel_seconds=10.0) as rig:
+        lane_id, token = only_lane(await rig.sup.submit(gpu_work("greedy")))
+        kept = await rig.sup.lane_work(lane_id, token, MemoryReserve(dtype="uint8", shape=[8]))
+        with pytest.raises(LaneWorkError) as refused:
+            await rig.sup.lane_work(lane_id, token, Execute(kernel="noop", timeout_s=10.5))
+        assert (refused.value.status, refused.value.code) == (422, "bad_args")
+        assert "max-kernel-seconds" in str(refused.value)
+        owner = rig.sup.owners[lane_id]
+        assert rig.sup.get("greedy").state is S.running and owner.held_by("greedy") == 8
+        assert kept.buffer_id is not None
+        await rig.sup.lane_work(lane_id, token, Execute(kernel="noop", timeout_s=10))
+        await rig.sup.cancel("greedy")
