@@ -157,3 +157,40 @@ async def test_a_deadline_above_the_nodes_cap_is_refused_and_changes_nothing(
         assert kept.buffer_id is not None
         await rig.sup.lane_work(lane_id, token, Execute(kernel="noop", timeout_s=10))
         await rig.sup.cancel("greedy")
+
+
+async def test_a_session_host_that_fails_to_start_backs_off_for_its_invocation_only(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """A host of its own that cannot start (its cgroup too small for it, say) was
+    spawned again for every request. Now its invocation waits 1 s, then 2 s, before
+    the next is tried, and a neighbour's session starts meanwhile."""
+    async with open_rig(tmp_path) as rig:
+        lane_id, token = only_lane(await rig.sup.submit(gpu_work("unlucky")))
+        _, neighbour = only_lane(await rig.sup.submit(gpu_work("neighbour")))
+        hosts = rig.in_process_hosts
+        made = len(hosts.made[lane_id])
+        noop = Execute(kernel="noop")
+
+        async def refused() -> str:
+            with pytest.raises(LaneWorkError) as caught:
+                await rig.sup.lane_work(lane_id, token, noop)
+            assert caught.value.status == 503
+            return str(caught.value)
+
+        hosts.refuse_starts = True
+        await refused()  # its host failed to start
+        assert "retry in 1.0 s" in await refused()  # no host was even made for it
+        assert len(hosts.made[lane_id]) == made + 1
+        mock_clock.jump(1.01)
+        await refused()  # the second start failed: now 2 s
+        assert "retry in 2.0 s" in await refused()
+        assert len(hosts.made[lane_id]) == made + 2
+        hosts.refuse_starts = False
+        assert (await rig.sup.lane_work(lane_id, neighbour, noop)).result == {}
+        mock_clock.jump(2.01)
+        assert (await rig.sup.lane_work(lane_id, token, noop)).result == {}
+        assert rig.sup.get("unlucky").state is S.running
+        await rig.sup.cancel("unlucky")
+        await rig.sup.cancel("neighbour")
+        assert not rig.sup.owners[lane_id]._start_backoff  # kept no longer than its invocation
