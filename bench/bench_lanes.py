@@ -352,7 +352,15 @@ class _Tenancy:
             "work": {"kind": "builtin", "name": "sleep", "args": {"seconds": 600}},
             "requirement": "gpu",
             "isolation": "shared",
-            "resources": {"cpu_millis": 100, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": vram},
+            # Lane sessions are charged to their invocation: simulated VRAM is host memory,
+            # so the memory covers the VRAM filled; a whole machine of CPU for the
+            # noisy tenant's matmuls (the worst case for its neighbour).
+            "resources": {
+                "cpu_millis": 2000,
+                "memory_bytes": vram + 2**28,
+                "gpus": 1,
+                "vram_bytes": vram,
+            },
         }
         reply = self.client.call(
             "POST",

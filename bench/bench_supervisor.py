@@ -30,6 +30,7 @@ import trio.testing
 from bench.harness import Finding, median, percentile
 from capabilities import KeyRing, TokenService
 from machine import Machine
+from machine.cgroups import InvocationCgroup
 from machine.lanes import Lane, Requirement
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
@@ -67,8 +68,8 @@ def _counting_starts(
         host = factory(lane)
         start = host.start
 
-        async def start_and_note() -> object:
-            reply = await start()
+        async def start_and_note(*, cgroup: InvocationCgroup | None = None) -> object:
+            reply = await start(cgroup=cgroup)
             started.append(lane.lane_id)
             return reply
 

@@ -12,10 +12,17 @@ from typing import Any
 
 from machine.ledger import RefusalReason, ReservationRefused
 from supervisor.builtins import BuiltinArgumentError, check_builtin
+from supervisor.guests import GuestPolicy
 from supervisor.process import InvalidProcessRequest, validate_argv, validate_env
 from supervisor.wire import INVOCATION_ID, BuiltinWork, InvocationRequest, ProcessWork
 
-__all__ = ["AdmissionRefused", "check_request", "from_reservation_refusal", "id_conflict"]
+__all__ = [
+    "AdmissionRefused",
+    "check_cwd",
+    "check_request",
+    "from_reservation_refusal",
+    "id_conflict",
+]
 
 # Capacity that may free up soon is a conflict with the present, not a bad request.
 _CONFLICTS = {
@@ -70,6 +77,15 @@ def check_request(request: InvocationRequest) -> None:
         raise AdmissionRefused(422, "invalid_request", str(exc)) from None
     if request.resources.gpus > 1 and request.requirement.value == "cpu":
         raise AdmissionRefused(422, "invalid_request", "a cpu invocation asks for no GPUs")
+
+
+def check_cwd(guests: GuestPolicy, cwd: str) -> None:
+    """A cwd that would cover the sandbox or reach the node's secrets: 422 `invalid_cwd`,
+    before a reservation exists (the guest's start checks the folder it opens again)."""
+    try:
+        guests.check_cwd(cwd)
+    except InvalidProcessRequest as exc:
+        raise AdmissionRefused(422, "invalid_cwd", str(exc), {"field": "cwd"}) from None
 
 
 def from_reservation_refusal(refusal: ReservationRefused) -> AdmissionRefused:

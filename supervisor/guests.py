@@ -21,8 +21,9 @@ from machine.cgroups import Cgroups
 from machine.devnodes import lane_device_nodes
 from machine.inventory import Inventory
 from machine.lanes import Isolation, Lane
+from supervisor.guest_cwd import SANDBOX_PLACES, Protected, open_cwd
 from supervisor.identity import UidPool
-from supervisor.process import InvalidProcessRequest, ProcessStuck
+from supervisor.process import ProcessStuck
 from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
 
 __all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session"]
@@ -60,12 +61,20 @@ class GuestPolicy:
         """No sandbox and no uid switch: unit tests of the supervisor's own logic."""
         return cls(bwrap=None, uids=None, state_dir=state_dir)
 
-    def check_cwd(self, cwd: str | None) -> None:
-        """A guest never runs inside the state dir (a folder above it is masked instead)."""
-        if cwd is not None and Path(os.path.realpath(cwd)).is_relative_to(
-            os.path.realpath(self.state_dir)
-        ):
-            raise InvalidProcessRequest("cwd", "inside the node's state folder")
+    def protected(self) -> list[Protected]:
+        """What no guest's cwd may be, cover or lie inside."""
+        places = [Protected(Path(p), f"the sandbox's private {p}") for p in SANDBOX_PLACES]
+        places.append(Protected(self.state_dir, "the node's state folder"))
+        run_dir = Path(tempfile.gettempdir()) if self.run_dir is None else self.run_dir
+        places.append(Protected(run_dir, "the guests' run folder (their tokens, the socket)"))
+        places += [Protected(path, "the node's auth file") for path in self.hidden]
+        return places
+
+    def check_cwd(self, cwd: str) -> None:
+        """Refuse (`InvalidProcessRequest`) a cwd no guest may get; at admission, before
+        a uid is chosen. The guest's start opens and checks it again, with its uid."""
+        fd, _ = open_cwd(cwd, self.protected(), None)
+        os.close(fd)
 
     def secrets(self) -> tuple[Path, ...]:
         return tuple(Path(os.path.realpath(p)) for p in (self.state_dir, *self.hidden))
@@ -125,12 +134,14 @@ def guest_session(
     """Allocate a uid and a token file for one guest; give both back on exit."""
     if policy.refusal is not None:
         raise GuestsRefused(policy.refusal)
-    policy.check_cwd(cwd)
     uid = policy.uids.allocate() if policy.uids is not None else None
     stuck = False
     try:
-        with _token_file(tokens, uid, policy.run_dir) as token_path:
-            yield _session(policy, isolation, lanes, inventory, cwd, node_url, uid, token_path)
+        with (
+            _opened_cwd(policy, cwd, uid) as folder,
+            _token_file(tokens, uid, policy.run_dir) as token_path,
+        ):
+            yield _session(policy, isolation, lanes, inventory, folder, node_url, uid, token_path)
     except ProcessStuck:
         stuck = True  # something still runs under the uid: never hand it to another guest
         raise
@@ -139,12 +150,28 @@ def guest_session(
             policy.uids.release(uid)
 
 
+@contextlib.contextmanager
+def _opened_cwd(
+    policy: GuestPolicy, cwd: str | None, uid: int | None
+) -> Iterator[tuple[int, Path] | None]:
+    """The guest's cwd opened and checked once (its descriptor, where it really is):
+    the sandbox binds that descriptor, never the name, which a guest could swap."""
+    if cwd is None:
+        yield None
+        return
+    fd, real = open_cwd(cwd, policy.protected(), uid)
+    try:
+        yield fd, real
+    finally:
+        os.close(fd)
+
+
 def _session(
     policy: GuestPolicy,
     isolation: Isolation,
     lanes: Sequence[Lane],
     inventory: Inventory,
-    cwd: str | None,
+    folder: tuple[int, Path] | None,
     node_url: str,
     uid: int | None,
     token_path: Path,
@@ -161,7 +188,7 @@ def _session(
         for lane in lanes:
             nodes.update(dict.fromkeys(lane_device_nodes(inventory, lane, policy.dev_root)))
     env["LITEGRAPH_CAPABILITY_TOKEN_FILE"] = TOKEN_FILE
-    env["HOME"] = cwd or GUEST_TMP
+    env["HOME"] = GUEST_TMP if folder is None else str(folder[1])
     env["TMPDIR"] = GUEST_TMP
     if policy.node_socket is not None:
         env["LITEGRAPH_NODE_SOCKET"] = NODE_SOCKET
@@ -172,7 +199,8 @@ def _session(
         dev_root=policy.dev_root,
         token_file=token_path,
         node_socket=policy.node_socket,
-        cwd=cwd,
+        cwd=None if folder is None else str(folder[1]),
+        cwd_fd=None if folder is None else folder[0],
         masked=policy.secrets(),
     )
     return GuestSession(uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max)

@@ -51,7 +51,7 @@ def _libc_prctl() -> Callable[..., int] | None:
 _prctl = _libc_prctl()
 
 
-def _die_with_parent(parent: int, join: Callable[[], None] | None) -> Callable[[], None]:
+def _die_with_parent(parent: int, join: Callable[[], None] | None = None) -> Callable[[], None]:
     # Runs in the forked child before exec, with other threads' locks possibly
     # held: syscalls only - no imports, logging or allocation-heavy work.
     def setup() -> None:

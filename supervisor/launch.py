@@ -26,6 +26,7 @@ takes its uid itself before exec (`become`); bwrap is then its own gate
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import resource
@@ -182,16 +183,26 @@ def plan(
     if sandbox is None and uid is None:
         # Nobody to protect the gate from: it runs as the guest would.
         return Launch([*GATE_SHELL, *argv], dict(env), place=place)
-    setpriv = find_setpriv() if uid is not None else None
-    if sandbox is not None and (uid is None or setpriv is not None):
-        if bwrap_takes_env(sandbox.bwrap):
-            drop = [] if setpriv is None or uid is None else uid_drop(setpriv, uid)
-            fd = _env_fd(env)
-            command = bwrap_argv(sandbox, argv, env_fd=fd)
-            return Launch([*GATE_SHELL, *drop, *command], {}, place=place, pass_fds=(fd,))
-    join = cgroup.preexec_join() if cgroup is not None else None
-    hook = _preexec(affinity, rlimit_as, join, uid)
+    join = cgroup.preexec_join if cgroup is not None else None
     if sandbox is None:
+        hook = _preexec(affinity, rlimit_as, join() if join else None, uid)
         return Launch([*GATE_SHELL, *argv], dict(env), preexec_fn=hook)
-    # bwrap reads one byte from fd 0 before it runs the guest.
-    return Launch(bwrap_argv(sandbox, argv, block_fd=0), dict(env), preexec_fn=hook)
+    setpriv = find_setpriv() if uid is not None else None
+    # The launch's own copy of the cwd's descriptor, closed with it; the caller's stays.
+    fds = () if sandbox.cwd_fd is None else (os.dup(sandbox.cwd_fd),)
+    sandbox = dataclasses.replace(sandbox, cwd_fd=fds[0] if fds else None)
+    try:
+        if (uid is None or setpriv is not None) and bwrap_takes_env(sandbox.bwrap):
+            drop = [] if setpriv is None or uid is None else uid_drop(setpriv, uid)
+            env_fd = _env_fd(env)
+            fds = (env_fd, *fds)
+            command = bwrap_argv(sandbox, argv, env_fd=env_fd)
+            return Launch([*GATE_SHELL, *drop, *command], {}, place=place, pass_fds=fds)
+        hook = _preexec(affinity, rlimit_as, join() if join else None, uid)
+        # bwrap reads one byte from fd 0 before it runs the guest.
+        command = bwrap_argv(sandbox, argv, block_fd=0)
+        return Launch(command, dict(env), preexec_fn=hook, pass_fds=fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise

@@ -15,6 +15,10 @@ by what exists in its /dev, not by an environment variable.
 
 Tokens: a host file readable only by the guest's uid (0400 in a 0700 folder),
 bound read-only at TOKEN_FILE; one line per lane in the order of LITEGRAPH_LANE_IDS.
+
+The cwd: a host folder the daemon opened and checked, bound read-write from that
+descriptor (`/proc/self/fd/N`) at its real path, never by a name that could be
+swapped since (`supervisor/guest_cwd.py`).
 """
 
 from __future__ import annotations
@@ -74,8 +78,11 @@ class SandboxSpec:
     token_file: Path | None = None
     # The node API's Unix socket on the host, bound at NODE_SOCKET.
     node_socket: Path | None = None
-    # A host folder to bind read-write and run in; None runs in /tmp.
+    # A host folder to bind read-write and run in (where it really is); None runs in /tmp.
     cwd: str | None = None
+    # An O_PATH descriptor of that folder, opened and checked by the daemon: bwrap
+    # binds what it refers to, never the name (supervisor/guest_cwd.py).
+    cwd_fd: int | None = None
     # Host paths no guest may see (the state dir, the auth file): hidden wherever
     # a bind above would reach them.
     masked: tuple[Path, ...] = ()
@@ -133,8 +140,12 @@ def bwrap_argv(
         args += ["--bind", str(spec.node_socket), NODE_SOCKET]
     bound = [Path(folder) for folder in _SYSTEM_DIRS]
     if spec.cwd is not None:
-        args += ["--bind", spec.cwd, spec.cwd]
-        bound.append(Path(os.path.realpath(spec.cwd)))
+        if spec.cwd_fd is None:
+            raise ValueError("a cwd is bound from its opened descriptor only")
+        # The descriptor's magic link leads to the opened folder whatever its name
+        # now points at; the child inherits the descriptor (Launch.pass_fds).
+        args += ["--bind", f"/proc/self/fd/{spec.cwd_fd}", spec.cwd]
+        bound.append(Path(spec.cwd))
     args += _masks(spec.masked, bound)
     args += ["--chdir", spec.cwd or GUEST_TMP]
     return [*args, "--", *argv]

@@ -16,6 +16,7 @@ from machine.ledger import ReservationRefused, ReservationRequest
 from machine.model import JOURNAL_RETRY_INTERVAL
 from supervisor.admission import (
     AdmissionRefused,
+    check_cwd,
     check_request,
     from_reservation_refusal,
     id_conflict,
@@ -73,6 +74,8 @@ class Submission:
             if isinstance(request.work, ProcessWork) and state.guests.refusal is not None:
                 # Fail closed: this node cannot confine a guest (the reason is on /readyz).
                 raise AdmissionRefused(503, "guests_unconfinable", state.guests.refusal)
+            if isinstance(request.work, ProcessWork) and request.work.cwd is not None:
+                check_cwd(state.guests, request.work.cwd)
         except AdmissionRefused as refused:
             self._announce_refusal(request.id, refused.reason)
             raise

@@ -19,6 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Guests run as other uids: their socket and token folders must be reachable from
 # /tmp, never under pytest's 0700 tmp_path. One base per test run, removed at exit.
 GUEST_BASE = pathlib.Path(tempfile.gettempdir()) / f"litegraph-tests-{os.getpid()}"
+# Guests' working folders: no guest's cwd may lie in /tmp (its sandbox has its own).
+GUEST_CWD_BASE = pathlib.Path("/var/tmp") / f"litegraph-tests-{os.getpid()}"
 # The system's Python, which guests can run (the test venv may sit under /root).
 GUEST_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "python3"
 
@@ -32,13 +34,16 @@ def guest_run_dir() -> str:
 
 def guest_cwd() -> pathlib.Path:
     """A folder any guest uid may enter and read, to run a guest in."""
-    folder = pathlib.Path(guest_run_dir())
+    GUEST_CWD_BASE.mkdir(mode=0o755, exist_ok=True)
+    GUEST_CWD_BASE.chmod(0o755)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="cwd-", dir=GUEST_CWD_BASE))
     folder.chmod(0o755)
     return folder
 
 
 def remove_guest_dirs() -> None:
     shutil.rmtree(GUEST_BASE, ignore_errors=True)
+    shutil.rmtree(GUEST_CWD_BASE, ignore_errors=True)
 
 
 # stderr lines of children started by `spawned`, read by a thread so a chatty

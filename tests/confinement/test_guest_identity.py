@@ -16,7 +16,6 @@ from tests.adversarial.fixtures import Node
 from tests.confinement.guests import (
     GUEST_PYTHON,
     confined_node,
-    guest_cwd,
     guest_pid,
     python,
     run_to_end,
@@ -67,20 +66,6 @@ async def test_a_guest_cannot_read_the_auth_file_keys_or_journal(
         out = found["stdout_tail"]
         assert "READ" not in out and "LISTED" not in out, out
         assert out.count("DENIED") == 4, out
-
-
-async def test_a_guest_run_from_a_folder_above_the_state_dir_sees_it_empty(
-    tmp_path: pathlib.Path,
-) -> None:
-    parent = guest_cwd()
-    async with confined_node(tmp_path, "--state-dir", str(parent / "state")) as node:
-        body = python(READ_SECRETS, cwd=str(parent))
-        body["work"]["argv"].append(state_dir(node))
-        found = await run_to_end(node, body)
-        assert found["state"] == "succeeded", found
-        # The folder is bound into the guest, the state dir masked by an empty tmpfs.
-        assert "READ" not in found["stdout_tail"], found["stdout_tail"]
-        assert "LISTED" not in found["stdout_tail"] or "[]" in found["stdout_tail"]
 
 
 async def test_a_guest_runs_as_its_own_uid_never_root_nor_the_daemons(

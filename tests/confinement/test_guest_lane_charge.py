@@ -13,7 +13,7 @@ import trio
 
 from supervisor.lane_host import LaneHost
 from tests.adversarial.fixtures import Node
-from tests.confinement.guests import TERMINAL, confined_node, run_to_end, status
+from tests.confinement.guests import TERMINAL, confined_node, status
 from tests.confinement.test_guest_tokens import gpu_sandbox
 
 SIDE = 1024  # a float32 matmul of this side: about 2 GFLOP, tens of ms on one core
@@ -139,7 +139,9 @@ async def test_a_builtins_lane_work_is_charged_to_a_cgroup_of_its_own(
         a, b, out = [(await work(**reserve))["buffer_id"] for _ in range(3)]
         host = await _session_host(node, "builtin-charged")
         assert host.pid is not None
-        assert [line for line in _cgroups_of(host.pid) if line.endswith("/litegraph-builtin-charged")]
+        assert [
+            line for line in _cgroups_of(host.pid) if line.endswith("/litegraph-builtin-charged")
+        ]
         await work(op="execute", kernel="matmul", buffers={"a": a, "b": b, "out": out})
         used = _cpu_seconds(host.pid)
         reply = await node.client.delete("/v1/invocations/builtin-charged", headers=node.op)

@@ -6,6 +6,7 @@ confines the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from supervisor import launch
 from supervisor.output import OutputRing
 from supervisor.process import ProcessSpec, build_environment, run_process
 from supervisor.sandbox import SandboxSpec
+from tests.helpers import guest_cwd
 
 GUEST_UID = 200_457
 SECRET = "s3cret-value-4711"
@@ -151,3 +153,31 @@ async def test_without_setpriv_or_clearenv_the_full_fork_confines_the_same(
     _check_placed(spec, seen.cgroup)  # joined in its own hook
     assert SECRET.encode() not in seen.cmdline
     _check_guest(spec, out)
+
+
+@pytest.mark.parametrize("missing", ["nothing", "setpriv", "clearenv"])
+async def test_every_launch_binds_the_opened_cwd_not_the_folder_its_name_leads_to_now(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    if missing == "setpriv":
+        monkeypatch.setattr(launch, "find_setpriv", lambda: None)
+    elif missing == "clearenv":
+        monkeypatch.setattr(launch, "bwrap_takes_env", lambda _bwrap: False)
+    folder = guest_cwd() / "work"
+    folder.mkdir(mode=0o755)
+    (folder / "marker").write_text("opened\n")
+    opened = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        folder.rename(folder.with_name("moved"))  # the name now leads to another folder
+        folder.mkdir(mode=0o755)
+        (folder / "marker").write_text("swapped in\n")
+        for path in (folder / "marker", folder.with_name("moved") / "marker"):
+            path.chmod(0o644)
+        base = _spec(f"cwd-{missing}")
+        assert base.sandbox is not None
+        sandbox = dataclasses.replace(base.sandbox, cwd=str(folder), cwd_fd=opened)
+        spec = dataclasses.replace(base, argv=("/bin/sh", "-c", "pwd; cat marker"), sandbox=sandbox)
+        _code, out = await _run(spec, _Seen(monkeypatch, spec))
+    finally:
+        os.close(opened)
+    assert out == f"{folder}\nopened\n"

@@ -227,6 +227,28 @@ async def test_an_invalid_request_is_422_and_reserves_nothing(
 
 
 @pytest.mark.parametrize(
+    ("cwd", "reason"),
+    [
+        ("/", "/ would cover the whole sandbox"),
+        ("/proc/self", "lies inside the sandbox's private /proc"),
+        ("/tmp", "/tmp is the sandbox's private /tmp"),
+        ("STATE/keys", "lies inside"),
+        ("/no/such/folder", "cannot be opened"),
+    ],
+)
+async def test_a_cwd_that_would_cover_the_sandbox_or_reach_the_state_is_422_invalid_cwd(
+    tmp_path: Path, mock_clock: trio.testing.MockClock, cwd: str, reason: str
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        folder = cwd.replace("STATE", str(tmp_path / "state"))
+        refusal = await refused(rig, _process(argv=["sh"], cwd=folder))
+        assert (refusal.status, refusal.reason) == (422, "invalid_cwd")
+        assert reason in str(refusal) and refusal.details == {"field": "cwd"}
+        with pytest.raises(KeyError):
+            rig.sup.get("bad")
+
+
+@pytest.mark.parametrize(
     ("request_", "status", "reason"),
     [
         (

@@ -116,6 +116,28 @@ def test_without_setpriv_a_guest_with_a_uid_takes_it_in_its_own_hook(
     assert found.argv[0] == "/usr/bin/bwrap" and "--block-fd" in found.argv
 
 
+@pytest.mark.parametrize("setpriv", ["/usr/bin/setpriv", None])
+def test_the_cwds_descriptor_reaches_bwrap_as_a_copy_the_launch_closes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, setpriv: str | None
+) -> None:
+    monkeypatch.setattr(launch, "find_setpriv", lambda: setpriv)
+    monkeypatch.setattr(launch, "bwrap_takes_env", lambda _bwrap: True)
+    opened = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sandbox = SandboxSpec(
+            bwrap=Path("/usr/bin/bwrap"), isolate_network=True, cwd=str(tmp_path), cwd_fd=opened
+        )
+        found = plan(["true"], env={}, sandbox=sandbox, uid=200_001, cgroup=None)
+        copy = found.pass_fds[-1]
+        assert copy != opened and os.path.samestat(os.fstat(copy), os.fstat(opened))
+        assert f"/proc/self/fd/{copy}" in found.argv
+        assert f"/proc/self/fd/{opened}" not in found.argv
+        found.close()
+        os.fstat(opened)  # the caller's descriptor is still its own
+    finally:
+        os.close(opened)
+
+
 def test_a_guest_without_a_uid_of_its_own_is_placed_from_outside(tmp_path: Path) -> None:
     cgroups = _fake_cgroups(tmp_path)
     inv = cgroups.create("inv", CgroupLimits(memory_bytes=1 << 24, cpu_millis=100, pids_max=8))

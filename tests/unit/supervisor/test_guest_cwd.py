@@ -1,0 +1,102 @@
+"""A guest's cwd is opened once and checked as opened: what it is, covers or lies
+inside, and whether the guest's uid could reach it (supervisor/guest_cwd.py)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from supervisor.guest_cwd import Protected, open_cwd
+from supervisor.guests import GuestPolicy
+from supervisor.process import InvalidProcessRequest
+from tests.helpers import guest_cwd
+
+
+def _refusal(cwd: str | pathlib.Path, places: list[Protected], uid: int | None = None) -> str:
+    with pytest.raises(InvalidProcessRequest) as refused:
+        fd, _ = open_cwd(str(cwd), places, uid)
+        os.close(fd)
+    assert refused.value.field == "cwd"
+    return refused.value.message
+
+
+def test_a_cwd_is_refused_when_it_is_covers_or_lies_inside_a_protected_place(
+    tmp_path: pathlib.Path,
+) -> None:
+    state = tmp_path / "node" / "state"
+    (state / "keys").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    places = [Protected(state, "the node's state folder"), Protected(pathlib.Path("/proc"), "P")]
+    assert _refusal("/", places) == "/ would cover the whole sandbox"
+    assert _refusal(state, places).endswith(f"is the node's state folder ({state})")
+    assert "lies inside the node's state folder" in _refusal(state / "keys", places)
+    assert "covers the node's state folder" in _refusal(tmp_path / "node", places)
+    assert "covers the node's state folder" in _refusal(tmp_path, places)
+    assert "lies inside P (/proc)" in _refusal("/proc/self", places)  # /proc/<pid>, really
+    assert "cannot be opened" in _refusal(tmp_path / "missing", places)
+    fd, real = open_cwd(str(tmp_path / "elsewhere"), places, None)
+    os.close(fd)
+    assert real == tmp_path / "elsewhere"
+
+
+def test_the_folder_checked_is_the_folder_opened_whatever_the_name_points_at_later(
+    tmp_path: pathlib.Path,
+) -> None:
+    state, harmless = tmp_path / "state", tmp_path / "harmless"
+    state.mkdir()
+    harmless.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(state)
+    places = [Protected(state, "the node's state folder")]
+    assert f"{state} is the node's state folder" in _refusal(link, places)
+    link.unlink()
+    link.symlink_to(harmless)
+    fd, real = open_cwd(str(link), places, None)
+    try:
+        link.unlink()
+        link.symlink_to(state)  # flipped after the check: the descriptor stays put
+        assert real == harmless
+        assert os.readlink(f"/proc/self/fd/{fd}") == str(harmless)
+        assert os.path.samestat(os.fstat(fd), harmless.stat())
+    finally:
+        os.close(fd)
+
+
+def test_a_folder_the_guests_uid_could_not_reach_is_refused() -> None:
+    closed = guest_cwd() / "closed"  # every folder above lets others through
+    (closed / "work").mkdir(parents=True)
+    uid = 300_123  # owns nothing here: passes only where others may
+    closed.chmod(0o700)
+    assert "does not let the guest's uid through" in _refusal(closed / "work", [], uid)
+    fd, _ = open_cwd(str(closed / "work"), [], None)  # the daemon's own user reaches it
+    os.close(fd)
+    closed.chmod(0o711)
+    fd, _ = open_cwd(str(closed / "work"), [], uid)
+    os.close(fd)
+
+
+def test_the_policy_protects_the_sandboxs_places_the_state_the_run_dir_and_the_auth_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    auth = tmp_path / "conf" / "auth.json"
+    auth.parent.mkdir()
+    auth.write_text("{}")
+    policy = GuestPolicy(
+        bwrap=None,
+        uids=None,
+        state_dir=tmp_path / "state",
+        hidden=(auth,),
+        run_dir=tmp_path / "run",
+    )
+    named = {str(place.path): place.what for place in policy.protected()}
+    for folder in ("/proc", "/sys", "/dev", "/run", "/tmp"):
+        assert named[folder] == f"the sandbox's private {folder}"
+    assert named[str(tmp_path / "state")] == "the node's state folder"
+    assert named[str(tmp_path / "run")].startswith("the guests' run folder")
+    assert named[str(auth)] == "the node's auth file"
+    auth_only = [place for place in policy.protected() if place.path == auth]
+    assert "covers the node's auth file" in _refusal(auth.parent, auth_only)
+    with pytest.raises(InvalidProcessRequest, match="lies inside the sandbox's private /tmp"):
+        policy.check_cwd(str(tmp_path))  # pytest's tmp_path lies in /tmp
