@@ -7,12 +7,12 @@ path; only moving bytes between the owner's frames and the buffers differs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, Literal
-
-import numpy as np
 
 __all__ = ["Backend", "BackendUnavailable", "select_backend"]
 
@@ -28,15 +28,22 @@ class BackendUnavailable(Exception):
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: Literal["numpy", "cupy"]
-    xp: Any  # the array module
+    load: Callable[[], Any]  # the array module, imported at its first use
     device: str
     out_of_memory: tuple[type[BaseException], ...]
+
+    @functools.cached_property
+    def xp(self) -> Any:
+        # NumPy's import is most of a host's start and memory (about 60 ms and 15 MiB);
+        # a host asked only hellos and heartbeats (a lane's sentinel) never needs it.
+        return self.load()
 
     def zeros(self, dtype: str, shape: tuple[int, ...]) -> Any:
         # Zeroed, so a buffer never shows what an earlier tenant left in that memory.
         return self.xp.zeros(shape, dtype=dtype)
 
     def write(self, array: Any, offset: int, data: bytes | memoryview) -> None:
+        np = importlib.import_module("numpy")  # (imported already: the array is one)
         flat = array.reshape(-1).view(self.xp.uint8)
         chunk = np.frombuffer(data, dtype=np.uint8)
         if self.name == "cupy":
@@ -57,7 +64,9 @@ class Backend:
 
 
 def _numpy() -> Backend:
-    return Backend("numpy", np, "host", (MemoryError,))
+    return Backend(
+        "numpy", functools.partial(importlib.import_module, "numpy"), "host", (MemoryError,)
+    )
 
 
 def _cupy() -> Backend:
@@ -74,7 +83,7 @@ def _cupy() -> Backend:
     name = cp.cuda.runtime.getDeviceProperties(0)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
     oom = (cp.cuda.memory.OutOfMemoryError, MemoryError)
-    return Backend("cupy", cp, f"{name} ({visible})", oom)
+    return Backend("cupy", lambda: cp, f"{name} ({visible})", oom)
 
 
 def select_backend(name: BackendName) -> Backend:

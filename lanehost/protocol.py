@@ -22,6 +22,7 @@ __all__ = [
     "DTYPES",
     "ERROR_CODES",
     "HEADER",
+    "ITEMSIZE",
     "KERNEL_NAME_PATTERN",
     "MAX_ARGS",
     "MAX_BUFFERS",
@@ -80,6 +81,15 @@ KERNEL_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 
 Dtype = Literal["float32", "float16", "float64", "int32", "int64", "uint8"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "float64", "int32", "int64", "uint8")
+# Bytes per element of each dtype (known without importing NumPy).
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "float64": 8,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+}
 
 ErrorCode = Literal[
     "bad_request",  # the frame did not decode as a request

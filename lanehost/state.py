@@ -11,11 +11,10 @@ import logging
 import math
 from typing import Any
 
-import numpy as np
-
 from lanehost.backend import Backend
 from lanehost.kernels import Kernel, KernelError
 from lanehost.protocol import (
+    ITEMSIZE,
     MAX_BUFFERS,
     PROTOCOL_VERSION,
     Alloc,
@@ -126,7 +125,7 @@ class LaneState:
             raise Refused("bad_args", f"buffer {request.buffer_id} already exists")
         if len(self._buffers) >= MAX_BUFFERS:
             raise Refused("too_many_buffers", f"the lane holds {MAX_BUFFERS} buffers already")
-        nbytes = math.prod(request.shape) * np.dtype(request.dtype).itemsize
+        nbytes = math.prod(request.shape) * ITEMSIZE[request.dtype]
         if nbytes > self._total - self._used:
             raise Refused(
                 "out_of_memory",

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Protocol
 import msgspec
 
 from capabilities import LaneOp
-from lanehost.protocol import MAX_ARGS, MAX_DATA_BYTES, MAX_DIM, MAX_DIMS, Dtype, Scalar
+from lanehost.protocol import ITEMSIZE, MAX_ARGS, MAX_DATA_BYTES, MAX_DIM, MAX_DIMS, Dtype, Scalar
 from machine.cgroups import InvocationCgroup
 
 __all__ = [
@@ -40,14 +40,13 @@ __all__ = [
 
 BUFFER_ID_PATTERN = r"^buf_[0-9a-f]{32}$"
 MAX_TRANSFER_BYTES = MAX_DATA_BYTES  # one upload's body or one download's length: 64 MiB
-_ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 _Dim = Annotated[int, msgspec.Meta(ge=1, le=MAX_DIM)]
 _BufferId = Annotated[str, msgspec.Meta(pattern=BUFFER_ID_PATTERN)]
 _Name = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 
 
 def itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
+    return ITEMSIZE[dtype]
 
 
 class MemoryReserve(
