@@ -1,10 +1,12 @@
 """Start-up of guest confinement: what this node can enforce, and the guests' socket.
 
 Decided once, before the supervisor starts: whether the daemon can give each
-guest its own uid, whether the sandbox tool works here (a real run of it, as a
-guest uid), and the folder that holds the node's Unix socket and the guests'
-token files. What cannot be enforced is said at start-up, in the snapshot's
-notes and, where it blocks process work, in /readyz.
+guest its own uid (the uid round resumed where the last run left it, uids that
+something still runs under held back), whether the sandbox tool works here (a
+real run of it, as a guest uid), and the folder that holds the node's Unix
+socket and the guests' token files (any a killed daemon left are removed).
+What cannot be enforced is said at start-up, in the snapshot's notes and, where
+it blocks process work, in /readyz.
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ import trio
 from api.unix_server import bind_unix_socket
 from machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from node.config import Config
-from supervisor.guests import GuestPolicy
-from supervisor.identity import UidPool, can_switch_users, parse_uid_range
+from supervisor.guests import GuestPolicy, remove_stale_tokens
+from supervisor.identity import (
+    UID_CURSOR_FILENAME,
+    UidCursor,
+    UidCursorError,
+    UidPool,
+    can_switch_users,
+    parse_uid_range,
+    running_uids,
+)
 from supervisor.launch import plan
 from supervisor.sandbox import SandboxSpec, SandboxUnavailable, find_bwrap
 
@@ -61,7 +71,8 @@ def default_run_dir(*, dev: bool) -> pathlib.Path:
 
 
 def _prepare_run_dir(path: pathlib.Path) -> pathlib.Path:
-    """The daemon's own folder, not a symlink, writable by nobody else, enterable by guests."""
+    """The daemon's own folder, not a symlink, writable by nobody else, enterable by guests;
+    the token files a killed daemon left there go (their uids are handed out again)."""
     try:
         path.mkdir(mode=0o711, parents=True, exist_ok=True)
         info = path.lstat()
@@ -72,7 +83,31 @@ def _prepare_run_dir(path: pathlib.Path) -> pathlib.Path:
     if info.st_uid != os.geteuid():
         raise GuestSetupError(f"guest folder {path}: owned by uid {info.st_uid}, not the daemon")
     os.chmod(path, 0o711)  # noqa: S103 - guests may enter it, never list or write it
+    try:
+        removed = remove_stale_tokens(path)
+    except OSError as exc:
+        raise GuestSetupError(f"guest folder {path}: {exc.strerror}") from exc
+    if removed:
+        log.info("removed %d token files a previous run left in %s", removed, path)
     return path
+
+
+def _uid_pool(uid_range: range, state_dir: pathlib.Path) -> UidPool:
+    """The pool, resumed from its cursor; uids some process still runs under are held."""
+    held = running_uids(uid_range)
+    if held:
+        log.warning(
+            "%d guest uids still have processes (a guest that survived its end or the "
+            "daemon): not handed out, e.g. %s",
+            len(held),
+            ", ".join(map(str, sorted(held)[:5])),
+        )
+    try:
+        return UidPool(uid_range, cursor=UidCursor(state_dir / UID_CURSOR_FILENAME), held=held)
+    except UidCursorError as exc:
+        raise GuestSetupError(
+            f"guest uid cursor: {exc} (move it aside to start the round again)"
+        ) from exc
 
 
 async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
@@ -106,6 +141,31 @@ async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
     return None
 
 
+async def _usable_sandbox(
+    tool: str, uids: UidPool | None, problems: list[str]
+) -> pathlib.Path | None:
+    """The sandbox tool once a run of it as a guest uid worked; else None and why in `problems`."""
+    try:
+        bwrap = find_bwrap(tool)
+    except SandboxUnavailable as exc:
+        problems.append(str(exc))
+        return None
+    try:
+        probe_uid = uids.allocate() if uids is not None else None
+    except OSError as exc:  # the uid cursor could not be saved: no guest can start
+        problems.append(f"guest uid cursor not saved: {exc}")
+        return bwrap
+    try:
+        failure = await _sandbox_works(bwrap, probe_uid)
+    finally:
+        if uids is not None and probe_uid is not None:
+            uids.release(probe_uid)
+    if failure is not None:
+        problems.append(f"sandbox unusable: {failure}")
+        return None
+    return bwrap
+
+
 def _own_user() -> str:
     uid = os.geteuid()
     try:
@@ -127,7 +187,7 @@ async def open_guest_setup(
                 f"--guest-uids has {len(uid_range)} uids, fewer than --max-running "
                 f"{config.max_running}"
             )
-        uids = UidPool(uid_range)
+        uids = _uid_pool(uid_range, state_dir)
     else:
         text = (
             f"guests run as the daemon's own user {_own_user()}: it cannot switch users "
@@ -135,20 +195,7 @@ async def open_guest_setup(
             "environment and signal each other; the sandbox still hides the state folder"
         )
         (notes if dev else problems).append(text)
-    bwrap: pathlib.Path | None = None
-    try:
-        bwrap = find_bwrap(config.sandbox_tool)
-        probe_uid = uids.allocate() if uids is not None else None
-        try:
-            failure = await _sandbox_works(bwrap, probe_uid)
-        finally:
-            if uids is not None and probe_uid is not None:
-                uids.release(probe_uid)
-        if failure is not None:
-            bwrap = None
-            problems.append(f"sandbox unusable: {failure}")
-    except SandboxUnavailable as exc:
-        problems.append(str(exc))
+    bwrap = await _usable_sandbox(config.sandbox_tool, uids, problems)
     found = system_cgroups()
     cgroups = found if isinstance(found, Cgroups) else None
     if isinstance(found, CgroupsUnavailable):

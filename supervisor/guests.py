@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -26,9 +27,12 @@ from supervisor.identity import UidPool
 from supervisor.process import ProcessStuck
 from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
 
-__all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session"]
+__all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session", "remove_stale_tokens"]
 
 log = logging.getLogger(__name__)
+
+# What `_token_file` names its files: nothing else in the run dir is touched.
+_TOKEN_NAME = re.compile(r"guest-[0-9a-f]{32}\.tokens")
 
 
 class GuestsRefused(RuntimeError):
@@ -118,6 +122,19 @@ def _token_file(tokens: Sequence[str], uid: int | None, where: Path | None) -> I
     finally:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def remove_stale_tokens(folder: Path) -> int:
+    """Remove the token files in `folder` (the daemon's own run dir) at start-up: those a
+    killed daemon left belong to uids it hands out again. Returns how many went."""
+    removed = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if _TOKEN_NAME.fullmatch(entry.name) and not entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ __all__ = [
     "DEVICE_ENV_NAMES",
     "ENV_ALLOW_LIST",
     "GUEST_DEFAULT_ENV",
+    "GUEST_PATH",
     "RESERVED_ENV_NAMES",
     "RESERVED_ENV_PREFIXES",
     "build_environment",
@@ -78,9 +79,13 @@ RESERVED_ENV_PREFIXES = (
     "HSA_",
 )
 DEVICE_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+# A guest's PATH: the system's folders (what its sandbox shows), never the daemon's
+# own PATH (root's home tool folders, a venv), which the lane hosts still inherit.
+GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Set for every guest unless its request sets them (so these few are not reserved):
-# Python writes each line as it is printed, so followers of the logs see it live.
-GUEST_DEFAULT_ENV = {"PYTHONUNBUFFERED": "1"}
+# the fixed PATH, over the daemon's; Python writes each line as it is printed, so
+# followers of the logs see it live.
+GUEST_DEFAULT_ENV = {"PATH": GUEST_PATH, "PYTHONUNBUFFERED": "1"}
 
 
 def is_reserved_env_name(name: str) -> bool:
@@ -91,8 +96,8 @@ def is_reserved_env_name(name: str) -> bool:
 
 
 def build_environment(spec: ProcessSpec, parent_env: Mapping[str, str]) -> dict[str, str]:
-    """Allow-listed daemon variables < guest defaults < the invocation's env <
-    supervisor variables."""
+    """Allow-listed daemon variables < guest defaults (PATH among them) < the
+    invocation's env < supervisor variables."""
     env = {name: parent_env[name] for name in ENV_ALLOW_LIST if name in parent_env}
     env.update(GUEST_DEFAULT_ENV)
     env.update(spec.env)

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from supervisor.identity import become
+from supervisor.process_env import GUEST_PATH
 from tests.adversarial.fixtures import Node
 from tests.confinement.guests import (
     GUEST_PYTHON,
@@ -122,3 +123,16 @@ async def test_one_guest_cannot_read_or_signal_another(tmp_path: pathlib.Path) -
         )
         assert str(a) not in seen["stdout_tail"].split("'")
         assert (await status(node, "a"))["state"] == "running"
+
+
+async def test_a_guests_path_is_the_fixed_one_whatever_the_daemons_path_holds(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", f"/root/.local/bin:/opt/daemon-tools/bin:{os.environ['PATH']}")
+    show = "import os; print(os.environ['PATH'])"
+    async with confined_node(tmp_path) as node:
+        for isolation in ("sandbox", "shared"):
+            found = await run_to_end(node, python(show, isolation=isolation))
+            assert found["stdout_tail"].strip() == GUEST_PATH, found
+        own = await run_to_end(node, python(show, env={"PATH": "/usr/bin"}))
+        assert own["stdout_tail"].strip() == "/usr/bin", own  # its request may set its own

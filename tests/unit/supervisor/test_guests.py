@@ -13,7 +13,7 @@ import pytest
 from machine.devnodes import lane_device_nodes, read_mig_minors
 from machine.inventory import CpuInfo, GpuDevice, Inventory, MemoryInfo, MigInstance
 from machine.lanes import Isolation, build_lanes
-from supervisor.guests import GuestPolicy, guest_session
+from supervisor.guests import GuestPolicy, guest_session, remove_stale_tokens
 from supervisor.identity import UidPool, UidRangeError, UidsExhausted, parse_uid_range
 from supervisor.process import ProcessStuck
 from supervisor.sandbox import NODE_SOCKET, TOKEN_FILE, SandboxSpec, bwrap_argv
@@ -217,3 +217,18 @@ def test_a_guests_token_file_is_its_own_0400_file_in_the_run_dir_and_goes_with_i
         assert found.st_uid == guest.uid
         assert path.read_text() == "v4.public.x\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_token_files_a_killed_daemon_left_in_the_run_dir_are_removed_and_nothing_else(
+    tmp_path: pathlib.Path,
+) -> None:
+    left = [tmp_path / f"guest-{n:032x}.tokens" for n in (1, 2)]
+    for path in left:
+        path.write_text("v4.public.x\n")
+    kept = [tmp_path / "node.sock", tmp_path / "guest-notes.tokens", tmp_path / "notes"]
+    for path in kept:
+        path.write_text("")
+    (tmp_path / f"guest-{3:032x}.tokens").mkdir()
+    assert remove_stale_tokens(tmp_path) == 2
+    assert not any(path.exists() for path in left)
+    assert all(path.exists() for path in kept)

@@ -30,6 +30,7 @@ from supervisor.process import (
     validate_env,
     validate_spec,
 )
+from supervisor.process_env import GUEST_PATH
 from tests.cgroup_fixtures import gone_within
 from tests.fakes.fake_cgroupfs import FakeCgroupV2
 from tests.supervisor_fixtures import session_members
@@ -162,7 +163,7 @@ PRINT_ENV = (PY, "-c", "import json, os; print(json.dumps(dict(os.environ)))")
 
 
 async def test_environment_is_allow_listed_and_supervisor_variables_win() -> None:
-    parent = {"PATH": "/usr/bin:/bin", "HOME": "/home/d", "SECRET_X": "leak", "LD_PRELOAD": "x.so"}
+    parent = {"PATH": "/root/.local/bin:/usr/bin", "HOME": "/d", "SECRET_X": "x", "LD_PRELOAD": "x"}
     process_spec = ProcessSpec(
         argv=PRINT_ENV,
         env={"MY_SETTING": "1", "HOME": "/home/invocation"},
@@ -171,7 +172,7 @@ async def test_environment_is_allow_listed_and_supervisor_variables_win() -> Non
     env = await _child_env(Run(), process_spec, parent)
     assert "SECRET_X" not in env
     assert "LD_PRELOAD" not in env
-    assert env["PATH"] == "/usr/bin:/bin"
+    assert env["PATH"] == GUEST_PATH  # the fixed one, never the daemon's
     assert env["MY_SETTING"] == "1"
     assert env["HOME"] == "/home/invocation"
     assert env["LITEGRAPH_NODE_URL"] == "http://127.0.0.1:1"
@@ -199,11 +200,23 @@ def test_build_environment_never_lets_the_invocation_override_supervisor_variabl
     env = build_environment(process_spec, {"TERM": "xterm", "AWS_SECRET_ACCESS_KEY": "k"})
     assert env == {
         "TERM": "xterm",
+        "PATH": GUEST_PATH,
         "PYTHONUNBUFFERED": "1",
         "LITEGRAPH_CAPABILITY_TOKEN": "v4.public.real",
         "CUDA_VISIBLE_DEVICES": "GPU-a",
         "NVIDIA_VISIBLE_DEVICES": "GPU-a",
     }
+
+
+def test_a_guests_path_is_the_fixed_one_whatever_the_daemons_path_holds() -> None:
+    daemon = {"PATH": "/root/.cargo/bin:/root/.local/bin:/opt/venv/bin:/usr/bin:/bin"}
+    assert build_environment(ProcessSpec(argv=("x",)), daemon)["PATH"] == GUEST_PATH
+    assert build_environment(ProcessSpec(argv=("x",)), {})["PATH"] == GUEST_PATH
+    # The invocation may name its own (it changes only what its own argv finds).
+    own = ProcessSpec(argv=("x",), env={"PATH": "/opt/tool/bin:/usr/bin"})
+    validate_env(own.env)
+    assert build_environment(own, daemon)["PATH"] == "/opt/tool/bin:/usr/bin"
+    assert GUEST_PATH == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def test_guests_run_python_unbuffered_unless_the_request_says_otherwise() -> None:
