@@ -15,8 +15,8 @@ from quart_trio.wrappers import TrioRequest
 from api.context import NodeContext
 from api.errors import ApiError
 from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_supervisor, require_role
+from api.peer import peer_uid
 from api.responses import json_response
-from api.unix_server import peer_of
 from capabilities import LaneOp, RefreshTooEarly, TokenRefusal, TokenRefused
 from machine.snapshot import rfc3339
 from supervisor.core import Supervisor
@@ -73,6 +73,15 @@ FORBIDDEN = frozenset(
 )
 
 
+# What the caller can do about it; never a claim or the detail behind the refusal.
+_HINTS = {
+    TokenRefusal.WRONG_HOLDER: (
+        " (a guest's token works only from its guest's own uid: on the node's Unix"
+        " socket, or over TCP from a socket of that uid on this host)"
+    ),
+}
+
+
 def _bearer() -> str:
     header = request.headers.get("Authorization", "")
     if not header.startswith("Bearer "):
@@ -93,8 +102,9 @@ def _lane_errors(ctx: NodeContext) -> Iterator[None]:
     except TokenRefused as refused:
         ctx.metrics.token_refusals.labels(refused.reason.value).inc()
         status = 403 if refused.reason in FORBIDDEN else 401
+        hint = _HINTS.get(refused.reason, "")
         raise ApiError(
-            status, refused.reason.value, f"capability token refused: {refused.reason.value}"
+            status, refused.reason.value, f"capability token refused: {refused.reason.value}{hint}"
         ) from None
     except LaneWorkError as failed:
         retry = {"Retry-After": "1"} if failed.status == 429 else None
@@ -104,9 +114,8 @@ def _lane_errors(ctx: NodeContext) -> Iterator[None]:
 
 
 def _check_holder(sup: Supervisor, lane_id: str, token: str, op: LaneOp) -> None:
-    peer = peer_of(request.scope)
-    if peer is not None:  # over TCP a token is a bearer token (threat-model/, B2)
-        sup.check_holder(lane_id, token, op, peer.uid)
+    # The kernel's word on who sent it, on either transport (api/peer.py).
+    sup.check_holder(lane_id, token, op, peer_uid(request.scope))
 
 
 def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:

@@ -3,7 +3,9 @@
 Hypercorn's `serve` is not used: it builds each connection with its own
 `TCPServer`, which speaks cleartext HTTP/2 and lets a connection's error end
 the server. This loop is Hypercorn's trio worker for plain-TCP binds, with
-`api.connection.Connection` for every connection.
+`api.connection.Connection` for every connection. Each connection's peer, the
+uid owning the local socket at its other end where there is one
+(`api/tcp_peer.py`), is asked once at accept and goes into every request's scope.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from quart_trio import QuartTrio
 
 from api.asgi_close import ShieldFinalSend
 from api.connection import Connection
+from api.peer import TcpPeer, WithPeer
 from api.settings import HttpSettings
+from api.tcp_peer import tcp_peer_uid
 
 __all__ = ["hypercorn_config", "serve_http"]
 
@@ -70,7 +74,14 @@ async def serve_http(
                 [f"http://{repr_socket_addr(s.family, s.getsockname())}" for s in sockets]
             )
             shared = ConnectionState(state.copy())
-            handler = functools.partial(Connection, asgi, config, context, shared)
+
+            async def handler(stream: trio.SocketStream) -> None:
+                # Whose socket is at the other end, asked once, before a byte is read.
+                peer = TcpPeer(await tcp_peer_uid(stream.socket))
+                with_peer = ASGIWrapper(WithPeer(ShieldFinalSend(app), peer))  # type: ignore[arg-type]
+                server = Connection(with_peer, config, context, shared, stream)  # type: ignore[arg-type]
+                await server.run()
+
             try:
                 async with trio.open_nursery() as accepting:
                     accepting.start_soon(

@@ -3,8 +3,8 @@
 Guests reach the node through this socket (a `sandbox` guest has no other
 way: its network namespace holds only loopback). On accept the kernel's
 SO_PEERCRED gives the connecting process's pid, uid and gid; they go into
-each request's ASGI scope under PEER_SCOPE_KEY, so the lane-work route can
-bind a capability token to the uid of the invocation it was minted for. The
+each request's ASGI scope (`api/peer.py`), so the lane-work route can bind a
+capability token to the uid of the invocation it was minted for. The
 connection itself is served by Hypercorn's own connection handler, as on TCP.
 """
 
@@ -16,8 +16,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,45 +28,21 @@ from quart_trio import QuartTrio
 
 from api.asgi_close import ShieldFinalSend
 from api.connection import Connection
+from api.peer import PeerCredentials, WithPeer
 from api.server import hypercorn_config
 from api.settings import HttpSettings
 
-__all__ = ["PEER_SCOPE_KEY", "PeerCredentials", "bind_unix_socket", "peer_of", "serve_unix"]
+__all__ = ["bind_unix_socket", "serve_unix"]
 
 log = logging.getLogger(__name__)
 
-PEER_SCOPE_KEY = "litegraph.peer"
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class PeerCredentials:
-    pid: int
-    uid: int
-    gid: int
-
-
-def peer_of(scope: Mapping[str, object]) -> PeerCredentials | None:
-    """The Unix-socket caller of this request; None over TCP."""
-    peer = scope.get(PEER_SCOPE_KEY)
-    return peer if isinstance(peer, PeerCredentials) else None
 
 
 def _credentials(sock: trio.socket.SocketType) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return PeerCredentials(*_UCRED.unpack(raw))
-
-
-class _WithPeer:
-    """The app, with the connection's peer credentials in every request's scope."""
-
-    def __init__(self, app: ASGIApp, peer: PeerCredentials) -> None:
-        self._app = app
-        self._peer = peer
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        await self._app({**scope, PEER_SCOPE_KEY: self._peer}, receive, send)
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
@@ -105,7 +80,7 @@ async def serve_unix(
         except OSError:
             await trio.aclose_forcefully(stream)
             return
-        with_peer = _WithPeer(cast(ASGIApp, ShieldFinalSend(app)), peer)
+        with_peer = WithPeer(cast(ASGIApp, ShieldFinalSend(app)), peer)
         wrapped = hypercorn.app_wrappers.ASGIWrapper(with_peer)  # type: ignore[arg-type]
         state = hypercorn.typing.ConnectionState({})
         server = Connection(wrapped, config, context, state, stream)  # type: ignore[arg-type]

@@ -208,7 +208,7 @@ class Supervisor:
     async def lane_download(self, lane_id: str, token: str, work: Download) -> bytes:
         return await self._lanes.lane_download(lane_id, token, work)
 
-    def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int) -> None:
+    def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int | None) -> None:
         self._lanes.check_holder(lane_id, token, op, peer_uid)
 
     def refresh_token(self, lane_id: str, token: str) -> MintedToken:

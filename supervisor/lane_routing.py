@@ -39,15 +39,18 @@ class LaneRouting:
         with trio.fail_after(self._state.lane_work_deadline):
             return await owner.download(token, work)
 
-    def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int) -> None:
-        """On the guests' socket, a guest's token works only for that guest's uid:
-        a token copied out of its sandbox is refused wherever else it turns up."""
+    def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int | None) -> None:
+        """A guest's token works only for that guest's uid, on the Unix socket and over
+        TCP alike: a token copied out of its sandbox is refused wherever else it turns
+        up, and so is one whose sender's uid the kernel could not name (`peer_uid`
+        None: a peer on another host, a failed lookup). Root and the daemon's own user
+        are no exception: they hold the signing key and need no guest's token."""
         claims = self._state.validator.validate(token, lane_id=lane_id, op=op)
         inv = self._state.live.get(claims.sub)
-        if inv is not None and inv.uid is not None and inv.uid != peer_uid:
-            raise TokenRefused(
-                TokenRefusal.WRONG_HOLDER, f"presented by uid {peer_uid}, not its guest's"
-            )
+        if inv is None or inv.uid is None or inv.uid == peer_uid:
+            return  # a builtin's token, or no uid of its own (dev): a bearer token
+        said = "by a sender whose uid is not known" if peer_uid is None else f"by uid {peer_uid}"
+        raise TokenRefused(TokenRefusal.WRONG_HOLDER, f"presented {said}, not its guest's")
 
     def refresh_token(self, lane_id: str, token: str) -> MintedToken:
         """A fresh token with the same scope for a live invocation; the old one is revoked.

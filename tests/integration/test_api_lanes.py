@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Any
 
@@ -109,6 +110,29 @@ async def test_missing_garbage_and_foreign_tokens_are_refused(tmp_path: pathlib.
             "/v1/lanes/lane_0000000000000000/work", json=noop, headers=bearer(token)
         )
         assert unknown.status_code == 404 and error_code(unknown) == "unknown_lane"
+
+
+async def test_a_guests_token_over_tcp_works_only_from_a_socket_of_its_guests_uid(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Over TCP the kernel's socket diagnostics name the uid at the other end, and a
+    guest's token is its guest's alone: the uid that owns this test's socket is
+    refused until it is the invocation's own."""
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        lane, token = next(iter((await submit(client, node, gpu_request("g4")))["tokens"].items()))
+        sup = node.daemon.supervisor
+        assert sup is not None
+        guest = sup._live["g4"]
+        guest.uid = os.geteuid() + 1  # as a guest's start sets it: not this test's uid
+        noop = {"op": "execute", "kernel": "noop"}
+        stolen = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token))
+        assert (stolen.status_code, error_code(stolen)) == (403, "wrong_holder"), stolen.text
+        guest.uid = os.geteuid()
+        own = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token))
+        assert own.status_code == 200, own.text
 
 
 async def test_tokens_are_revoked_when_the_invocation_ends(tmp_path: pathlib.Path) -> None:
