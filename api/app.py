@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from quart import Response
+from quart import Request, Response
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import BadHost, HTTPException
+from werkzeug.wrappers import Response as WerkzeugResponse
 
 from api.context import NodeContext
 from api.errors import ApiError
@@ -25,8 +26,22 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024
 
 
+class NodeApp(QuartTrio):
+    """Quart-trio with a Host that cannot be routed answered 400, not 500."""
+
+    async def handle_request(self, request: Request) -> Response | WerkzeugResponse:
+        try:
+            return await super().handle_request(request)
+        except BadHost:
+            # Raised while binding the URL map (a Host label over 63 characters or
+            # empty), before any error handler could turn it into an answer.
+            return error_response(
+                ApiError(400, "bad_host", "the Host header is not a valid host name")
+            )
+
+
 def create_app(ctx: NodeContext) -> QuartTrio:
-    app = QuartTrio("litegraph_node")
+    app = NodeApp("litegraph_node")
     app.request_class = LaneRequest  # uploads may be bigger than JSON bodies
     # Quart refuses bodies over this before a handler reads them (413).
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES

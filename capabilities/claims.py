@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import datetime
 import enum
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,6 +24,7 @@ __all__ = [
     "LaneOp",
     "decode_claims",
     "decode_footer",
+    "duplicate_key",
     "encode",
     "from_unix",
     "implicit_assertion",
@@ -100,6 +102,36 @@ class _NodeBinding(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
 
 
+class _Twice(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> None:
+    if len(dict(pairs)) != len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _Twice(next(key for i, key in enumerate(keys) if key in keys[:i]))
+
+
+# Built once: json.loads with a hook builds a decoder per call (half the cost).
+_pairs_decoder = json.JSONDecoder(object_pairs_hook=_once_each)
+
+
+def duplicate_key(document: bytes) -> str | None:
+    """The first key given twice in one object of a JSON document, or None.
+
+    msgspec keeps the last of duplicate keys and other decoders the first, so a
+    signed document with one is read differently by each. ValueError when the
+    standard parser cannot read the document (never for one msgspec decoded).
+    """
+    try:
+        _pairs_decoder.decode(document.decode())
+    except _Twice as twice:
+        return twice.key
+    return None
+
+
 _encoder = msgspec.json.Encoder(order="deterministic")
 _claims_decoder = msgspec.json.Decoder(Claims)
 _footer_decoder = msgspec.json.Decoder(Footer)
@@ -116,8 +148,12 @@ def decode_claims(payload: bytes) -> Claims:
 
 
 def decode_footer(footer: bytes) -> Footer:
-    """Strictly decode a footer; raises msgspec.ValidationError / DecodeError."""
-    return _footer_decoder.decode(footer)
+    """Strictly decode a footer, `kid` given once; raises msgspec.ValidationError /
+    DecodeError."""
+    decoded = _footer_decoder.decode(footer)
+    if duplicate_key(footer) is not None:
+        raise msgspec.ValidationError("the footer gives a key twice")
+    return decoded
 
 
 def implicit_assertion(node_id: str) -> bytes:

@@ -51,11 +51,15 @@ class TokenRefusal(enum.StrEnum):
     UNKNOWN_KEY = "unknown_key"
     BAD_SIGNATURE = "bad_signature"
     BAD_CLAIMS = "bad_claims"
+    # A key given twice in the claims: decoders disagree on which one counts.
+    DUPLICATE_CLAIM = "duplicate_claim"
     WRONG_ISSUER = "wrong_issuer"
     NOT_YET_VALID = "not_yet_valid"
     EXPIRED = "expired"
     WRONG_AUDIENCE = "wrong_audience"
     REVOKED = "revoked"
+    # Signed with our key under a live jti, but not the claims issued under it.
+    NOT_AS_ISSUED = "not_as_issued"
     OP_NOT_GRANTED = "op_not_granted"
     VRAM_OVER_BUDGET = "vram_over_budget"
     # On the guests' Unix socket: presented by a uid other than the guest's it was minted for.

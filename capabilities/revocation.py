@@ -8,7 +8,10 @@ it is the current token of its (invocation, lane):
 - ending an invocation forgets its entries, whatever number of tokens it was
   given: revoking leaves no state behind;
 - a token the table does not know (superseded, ended, minted before a
-  restart) is refused.
+  restart) is refused;
+- each entry keeps the claims its token was issued with, so a token under a
+  live jti is authority only if it says exactly that (`issued`): the same
+  invocation, lane, scope and window, never what someone re-signed.
 
 An entry is also forgotten once its token has expired past leeway (the time
 check refuses it anyway). At most `capacity` entries: a new pair past the
@@ -19,19 +22,22 @@ revoked. Plain data on an injected clock: no I/O, no threads.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container
+import types
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from capabilities.claims import Claims
 from capabilities.errors import RevocationFull
 
-__all__ = ["LiveTokens"]
+__all__ = ["LiveEntry", "LiveTokens"]
 
 Clock = Callable[[], float]
 
 
-class _Entry(NamedTuple):
-    invocation_id: str
-    lane_id: str
+class LiveEntry(NamedTuple):
+    """One live token: the claims it was issued with, and when to forget it."""
+
+    claims: Claims  # as issued: sub is the invocation, aud the lane
     forget_at: float
 
 
@@ -44,7 +50,7 @@ class LiveTokens:
         self._capacity = capacity
         self._leeway = leeway
         self._clock = clock
-        self._by_jti: dict[str, _Entry] = {}
+        self._by_jti: dict[str, LiveEntry] = {}
         self._by_invocation: dict[str, dict[str, str]] = {}
         # No entry expires before this, so a purge before it would find nothing.
         self._next_expiry = math.inf
@@ -59,9 +65,14 @@ class LiveTokens:
     def __contains__(self, jti: object) -> bool:
         return jti in self._by_jti
 
-    def view(self) -> Container[str]:
-        """A read-only live view for `in` tests on the hot path (no method call per test)."""
-        return self._by_jti.keys()
+    def view(self) -> Mapping[str, LiveEntry]:
+        """A read-only live view by jti for the validator's hot path."""
+        return types.MappingProxyType(self._by_jti)
+
+    def issued(self, jti: str) -> Claims | None:
+        """The claims the live token `jti` was issued with; None when it is not live."""
+        entry = self._by_jti.get(jti)
+        return None if entry is None else entry.claims
 
     def invocations(self) -> int:
         """How many invocations hold at least one live token."""
@@ -93,11 +104,13 @@ class LiveTokens:
         if self.current(invocation_id, lane_id) is None and self.full():
             raise RevocationFull(self._capacity)
 
-    def admit(self, invocation_id: str, lane_id: str, jti: str, exp: float) -> str | None:
-        """Make `jti` the pair's current token; returns the jti it superseded.
+    def admit(self, claims: Claims) -> str | None:
+        """Make the token issued with `claims` the current one of its (invocation `sub`,
+        lane `aud`); returns the jti it superseded.
 
         RevocationFull when the pair is new and there is no room.
         """
+        jti, invocation_id, lane_id = claims.jti, claims.sub, claims.aud
         if jti in self._by_jti:
             raise ValueError("jti already live")
         self.make_room(invocation_id, lane_id)
@@ -105,8 +118,8 @@ class LiveTokens:
         if old is not None:
             del self._by_jti[old]
         self._by_invocation.setdefault(invocation_id, {})[lane_id] = jti
-        forget_at = exp + self._leeway
-        self._by_jti[jti] = _Entry(invocation_id, lane_id, forget_at)
+        forget_at = claims.exp.timestamp() + self._leeway
+        self._by_jti[jti] = LiveEntry(claims, forget_at)
         self._next_expiry = min(self._next_expiry, forget_at)
         return old
 
@@ -115,10 +128,11 @@ class LiveTokens:
         entry = self._by_jti.pop(jti, None)
         if entry is None:
             return False
-        lanes = self._by_invocation[entry.invocation_id]
-        del lanes[entry.lane_id]
+        invocation_id = entry.claims.sub
+        lanes = self._by_invocation[invocation_id]
+        del lanes[entry.claims.aud]
         if not lanes:
-            del self._by_invocation[entry.invocation_id]
+            del self._by_invocation[invocation_id]
         return True
 
     def revoke_invocation(self, invocation_id: str) -> int:

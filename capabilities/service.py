@@ -55,7 +55,7 @@ from capabilities.publication import (
     PublishedKey,
 )
 from capabilities.revocation import LiveTokens
-from capabilities.validator import LaneValidator
+from capabilities.validator import LaneValidator, not_as_issued
 
 __all__ = ["DEADLINE_MARGIN", "DEFAULT_LEEWAY", "MAX_LEEWAY", "MintedToken", "TokenService"]
 
@@ -198,7 +198,7 @@ class TokenService:
         kid, secret = self._keyring.signing_key()
         token = paseto.sign(secret, payload, footer=self._footer(kid), implicit=self._implicit)
         exp = float(math.floor(end))  # to_unix(claims.exp): from_unix keeps whole seconds
-        self._live.admit(invocation_id, lane_id, claims.jti, exp)
+        self._live.admit(claims)
         self._note_signed(kid, exp)
         return MintedToken(token=token, claims=claims)
 
@@ -262,8 +262,9 @@ class TokenService:
     def refresh(self, claims: Claims, *, deadline: float | None) -> MintedToken:
         """A fresh token with the scope of `claims`, which it supersedes.
 
-        `claims` must be a validated token's, unexpired and still current
-        (else TokenRefused `expired` or `revoked`, in the validator's order).
+        `claims` must be a validated token's, unexpired, still current and as
+        issued (else TokenRefused `expired`, `revoked` or `not_as_issued`, in the
+        validator's order).
         Before the token has used half its life this raises RefreshTooEarly,
         saying when to come back.
         """
@@ -271,8 +272,11 @@ class TokenService:
         now = self._clock()
         if now >= exp + self._leeway:
             raise TokenRefused(TokenRefusal.EXPIRED, "after exp")
-        if claims.jti not in self._live:
+        issued = self._live.issued(claims.jti)
+        if issued is None:
             raise TokenRefused(TokenRefusal.REVOKED, "not the current token")
+        if issued != claims:  # the scope copied must be the one issued, never a re-signed one
+            raise TokenRefused(TokenRefusal.NOT_AS_ISSUED, not_as_issued(issued, claims))
         halfway = iat + (exp - iat) / 2
         if now < halfway:
             raise RefreshTooEarly(max(1, math.ceil(halfway - now)))

@@ -6,13 +6,20 @@
 1. oversized, bad_header, bad_encoding   (size cap, then strict format)
 2. unknown_key                           (footer `kid` not in the key ring)
 3. bad_signature                         (Ed25519 over the raw bytes)
-4. bad_claims                            (claims decoded only now, strictly)
+4. bad_claims, duplicate_claim           (claims decoded only now, strictly;
+                                          no key twice)
 5. wrong_issuer                          (`iss` is not this node)
 6. not_yet_valid, expired                (injected clock, bounded leeway)
 7. wrong_audience                        (`aud` is not this lane)
-8. revoked                               (`jti` not the current token of
-                                          its invocation on this lane)
+8. revoked, not_as_issued                (`jti` not the current token of
+                                          its invocation on this lane; its
+                                          claims not exactly those issued
+                                          under that jti: sub, aud, scope,
+                                          window)
 9. op_not_granted, vram_over_budget      (scope)
+
+Step 8 is what makes a token signed with our key, but never issued, no
+authority: the live entry of a jti holds the claims it was issued with.
 
 `introspect` runs steps 1-6 and 8 (a token valid now on its own lane,
 whatever its scope); the node answers RFC 7662 introspection with it.
@@ -43,17 +50,24 @@ from capabilities.claims import (
     LaneOp,
     decode_claims,
     decode_footer,
+    duplicate_key,
     implicit_assertion,
 )
 from capabilities.errors import TokenRefusal, TokenRefused
 from capabilities.keyring import KeyRing
 from capabilities.revocation import LiveTokens
 
-__all__ = ["LaneValidator"]
+__all__ = ["LaneValidator", "not_as_issued"]
 
 # Footers seen with a known kid, remembered so a key lookup costs one dict hit;
 # one entry per key in practice, the bound only guards against surprises.
 _MAX_FOOTERS = 64
+
+
+def not_as_issued(issued: Claims, presented: Claims) -> str:
+    """Which claims differ from those issued under the same jti (for the log only)."""
+    fields = [f for f in Claims.__struct_fields__ if getattr(issued, f) != getattr(presented, f)]
+    return f"{', '.join(fields)} differ from what was issued under this jti"
 
 
 class _Verified(NamedTuple):
@@ -115,8 +129,7 @@ class LaneValidator:
         TokenRefused: steps 1-6 and 8 (no audience, no scope), cached like `validate`."""
         entry = self._verified(token)
         self._in_window(entry, token)
-        if entry.claims.jti not in self._current:
-            raise TokenRefused(TokenRefusal.REVOKED, "token was revoked")
+        self._as_issued(entry.claims)
         return entry.claims
 
     def _verified(self, token: str) -> _Verified:
@@ -165,6 +178,12 @@ class LaneValidator:
             claims = decode_claims(payload)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise TokenRefused(TokenRefusal.BAD_CLAIMS, str(exc)) from None
+        try:
+            twice = duplicate_key(payload)
+        except ValueError as exc:
+            raise TokenRefused(TokenRefusal.BAD_CLAIMS, str(exc)) from None
+        if twice is not None:
+            raise TokenRefused(TokenRefusal.DUPLICATE_CLAIM, f"{twice!r} given twice")
         if claims.iss != self._node_id:
             raise TokenRefused(TokenRefusal.WRONG_ISSUER, "issued for another node")
         return _Verified(claims, claims.nbf.timestamp(), claims.exp.timestamp())
@@ -194,6 +213,14 @@ class LaneValidator:
             self._cache.pop(token, None)
             raise TokenRefused(TokenRefusal.EXPIRED, "after exp")
 
+    def _as_issued(self, claims: Claims) -> None:
+        """Step 8: the current token of its pair, and with exactly the claims issued."""
+        live = self._current.get(claims.jti)
+        if live is None:
+            raise TokenRefused(TokenRefusal.REVOKED, "token was revoked")
+        if live.claims != claims:
+            raise TokenRefused(TokenRefusal.NOT_AS_ISSUED, not_as_issued(live.claims, claims))
+
     def _authorise(
         self, entry: _Verified, token: str, lane_id: str, op: LaneOp, vram_bytes: int
     ) -> Claims:
@@ -201,8 +228,7 @@ class LaneValidator:
         claims = entry.claims
         if claims.aud != lane_id:
             raise TokenRefused(TokenRefusal.WRONG_AUDIENCE, "token is for another lane")
-        if claims.jti not in self._current:
-            raise TokenRefused(TokenRefusal.REVOKED, "token was revoked")
+        self._as_issued(claims)
         if op not in claims.ops:
             raise TokenRefused(TokenRefusal.OP_NOT_GRANTED, f"{op} not granted")
         if vram_bytes > claims.vram_bytes:

@@ -22,7 +22,7 @@ import httpx
 import msgspec
 import trio
 
-from node.address import remove_address, write_address
+from node.address import write_address
 from node.client import ClientError, find_target
 from node.client_commands import CLIENT_COMMANDS, check_arguments
 from node.config import Config, build_config
@@ -42,7 +42,7 @@ from node.run_request import build_request
 from node.signals import ForcedStop, sole_error
 from supervisor.wire import InvocationRequest
 
-__all__ = ["main"]
+__all__ = ["dev_config", "main"]
 
 PROG = "litegraph-node"
 USAGE = f"usage: {PROG} [options] COMMAND [command options] [-- ARGS]"
@@ -106,7 +106,8 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(daemon.run)
-            # Clients find the daemon from --state-dir alone (node/address.py).
+            # Clients find the daemon from --state-dir alone (node/address.py); the
+            # daemon removes the file itself, while it still holds the folder's lock.
             try:
                 write_address(state_dir, url, daemon.auth_path)
             except OSError as exc:
@@ -125,8 +126,6 @@ def _run_daemon(config: Config, *, dev: bool) -> int:
             print(f"{PROG}: cannot start: {startup}", file=sys.stderr)
             return 1
         raise
-    finally:
-        remove_address(state_dir)
     return 0
 
 
@@ -186,8 +185,18 @@ def _cmd_serve(inv: Invocation) -> int:
     return _run_daemon(inv.config, dev=False)
 
 
+def dev_config(inv: Invocation) -> Config:
+    """`dev`'s config: unless told otherwise, guests may write in the folder it was
+    started in (`run` in one's project writes there, as its user would: a trust
+    decision, said at start-up)."""
+    config = _local_config(inv)
+    if "guest_writable_roots" in inv.explicit:
+        return config
+    return msgspec.structs.replace(config, guest_writable_roots=(os.getcwd(),))
+
+
 def _cmd_dev(inv: Invocation) -> int:
-    return _run_daemon(_local_config(inv), dev=True)
+    return _run_daemon(dev_config(inv), dev=True)
 
 
 def _cmd_snapshot(inv: Invocation) -> int:

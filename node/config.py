@@ -8,6 +8,7 @@ flag in `.cli-flags.toml` and every flag there is a field here (a test pins it).
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 import urllib.parse
@@ -82,6 +83,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     telemetry_bearer_file: str
     health_interval: float
     shutdown_grace: float
+    state_lock_wait: float
     http_read_timeout: float
     http_body_timeout: float
     http_keep_alive: float
@@ -92,6 +94,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guest_uids: str
     guest_run_dir: str
     guest_pids_max: int
+    guest_writable_roots: tuple[str, ...]
     logs_max_bytes: int
     logs_total_bytes: int
     logs_retention: float
@@ -207,6 +210,12 @@ def _absolute_or_empty(text: str) -> str:
     return _absolute(text) if text else text
 
 
+def _folders(value: list[Any]) -> tuple[str, ...]:
+    if not all(isinstance(x, str) and x.startswith("/") and "\0" not in x for x in value):
+        raise ValueError("expected a JSON array of absolute paths")
+    return tuple(dict.fromkeys(os.path.normpath(x) for x in value))
+
+
 def _kernel_seconds(value: float) -> float:
     # A day at most: the edge waits for a kernel as long as it may run.
     if not 0 < value <= 86400:
@@ -231,12 +240,14 @@ _CHECKS: dict[str, Any] = {
     "telemetry_bearer_file": _absolute_or_empty,
     "health_interval": _positive,
     "shutdown_grace": _non_negative,
+    "state_lock_wait": _non_negative,
     "http_read_timeout": _positive,
     "http_body_timeout": _positive,
     "http_keep_alive": _positive,
     "guest_uids": _uid_range,
     "guest_run_dir": _absolute_or_empty,
     "guest_pids_max": lambda v: int(_positive(v)),
+    "guest_writable_roots": _folders,
     "logs_max_bytes": lambda v: _non_negative(parse_size(v)),
     "logs_total_bytes": lambda v: _non_negative(parse_size(v)),
     "logs_retention": _positive,

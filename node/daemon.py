@@ -1,10 +1,11 @@
 """The composition root: builds every component from the Config and runs them
 in one trio nursery until a signal or an explicit stop asks for shutdown.
 
-Start-up order: the state folder is checked (or created 0700) before anything
-else, then the HTTP server (probes answer while the rest starts),
-then keys, discovery, journal recovery, the supervisor and its lane owners,
-the health monitor and telemetry. /readyz turns 200 once all are done.
+Start-up order: the state folder is checked (or created 0700) and locked
+(`node/statelock.py`: one daemon per folder) before anything else, then the
+HTTP server (probes answer while the rest starts), then keys, discovery,
+journal recovery, the supervisor and its lane owners, the health monitor and
+telemetry. /readyz turns 200 once all are done.
 Shutdown: stop admitting, give running work `--shutdown-grace`, cancel the
 rest, release everything, close the journal.
 """
@@ -40,11 +41,13 @@ from machine.health import HealthTransition
 from machine.journal import JournalError
 from machine.readiness import Readiness
 from machine.snapshot import NodeSnapshot
+from node.address import remove_address
 from node.config import Config, DeviceMode
 from node.guests import GuestSetup, GuestSetupError, open_guest_setup
 from node.sdnotify import notify
 from node.signals import SignalWatcher, sole_error
 from node.statedir import StateDirError, prepare_state_dir
+from node.statelock import lock_state_dir
 from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_host import lane_host_factory
@@ -168,16 +171,24 @@ class Daemon:
             raise startup from startup.__cause__
 
     async def _run(self, task_status: trio.TaskStatus[str]) -> None:
+        state_dir = pathlib.Path(self.config.state_dir)
         try:
-            prepare_state_dir(pathlib.Path(self.config.state_dir))
+            prepare_state_dir(state_dir)
+            # Before anything in the folder is read or written: one daemon per folder.
+            lock = await lock_state_dir(state_dir, wait=self.config.state_lock_wait)
         except StateDirError as exc:
             raise StartupError(str(exc)) from exc
-        async with trio.open_nursery() as outer:
-            if self._handle_signals and threading.current_thread() is threading.main_thread():
-                await outer.start(self._signals.run)
-            with self._signals.work:
-                await self._serve(task_status)
-            outer.cancel_scope.cancel()  # the signal watcher never ends by itself
+        try:
+            async with trio.open_nursery() as outer:
+                if self._handle_signals and threading.current_thread() is threading.main_thread():
+                    await outer.start(self._signals.run)
+                with self._signals.work:
+                    await self._serve(task_status)
+                outer.cancel_scope.cancel()  # the signal watcher never ends by itself
+        finally:
+            # While still the folder's owner: the next daemon may write its own at once.
+            remove_address(state_dir)
+            lock.release()
         self._signals.raise_if_forced()
         log.info("stopped")
 

@@ -4,7 +4,9 @@ Decided once, before the supervisor starts: whether the daemon can give each
 guest its own uid (the uid round resumed where the last run left it, uids that
 something still runs under held back), whether the sandbox tool works here (a
 real run of it, as a guest uid), and the folder that holds the node's Unix
-socket and the guests' token files (any a killed daemon left are removed).
+socket and the guests' token files (any a killed daemon left are removed), and
+the roots under which a guest's cwd is writable on the host (said as a note:
+what a guest writes there no grant bounds).
 What cannot be enforced is said at start-up, in the snapshot's notes and, where
 it blocks process work, in /readyz.
 """
@@ -114,7 +116,8 @@ async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
     """Run `true` in a sandbox the way a guest starts (its gate, setpriv or the
     in-child uid drop, bwrap); None when it works, else why not."""
     true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
-    sandbox = SandboxSpec(bwrap=bwrap, isolate_network=True)
+    # A sized /tmp as every guest gets: a bwrap without --size fails here, not per guest.
+    sandbox = SandboxSpec(bwrap=bwrap, isolate_network=True, tmp_bytes=2**20)
     try:
         with trio.fail_after(SELF_TEST_SECONDS):
             launch = await trio.to_thread.run_sync(
@@ -164,6 +167,19 @@ async def _usable_sandbox(
         problems.append(f"sandbox unusable: {failure}")
         return None
     return bwrap
+
+
+def _writable_roots(config: Config, notes: list[str]) -> tuple[pathlib.Path, ...]:
+    """The real paths of `--guest-writable-roots`, resolved once (cwds are compared by
+    where they really are); each is said as a note, a trust decision the operator made."""
+    roots = tuple(pathlib.Path(os.path.realpath(root)) for root in config.guest_writable_roots)
+    if roots:
+        notes.append(
+            "guests may write on the host, unbounded by their grant, in a cwd under "
+            + ", ".join(map(str, roots))
+            + " (--guest-writable-roots); any other cwd is read-only"
+        )
+    return roots
 
 
 def _own_user() -> str:
@@ -223,6 +239,7 @@ async def open_guest_setup(
         refusal=blocked,
         cgroups=cgroups,
         pids_max=config.guest_pids_max,
+        writable_roots=_writable_roots(config, notes),
     )
     for note in notes:
         log.warning("%s", note)

@@ -56,6 +56,8 @@ def _gpus(count: int) -> int:
 
 def _choice(kind: type[Isolation] | type[Requirement]) -> Callable[[str], Any]:
     def check(text: str) -> Any:
+        if not text and kind is Requirement:
+            return None  # not given: decided by what the request asks for (`_requirement`)
         try:
             return kind(text)
         except ValueError:
@@ -103,6 +105,19 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+def _requirement(checked: Mapping[str, Any]) -> Requirement:
+    """What `run` asks for when --requirement is not given: a GPU lane whenever it
+    asks for a device (GPUs, VRAM or a MIG instance), so such a request gets one or
+    a refusal, never a silent run on the CPU; otherwise `auto`."""
+    given: Requirement | None = checked["requirement"]
+    if given is not None:
+        return given
+    wants_device = (
+        checked["gpus"] > 0 or checked["vram"] > 0 or checked["isolation"] is Isolation.PARTITIONED
+    )
+    return Requirement.GPU if wants_device else Requirement.AUTO
+
+
 def build_request(options: Mapping[str, Any], argv: list[str], cwd: str) -> InvocationRequest:
     """The request for `run -- argv`; every bad option is named in one FlagError."""
     checked: dict[str, Any] = {}
@@ -119,7 +134,7 @@ def build_request(options: Mapping[str, Any], argv: list[str], cwd: str) -> Invo
     return InvocationRequest(
         id="run-" + secrets.token_hex(8),
         work=ProcessWork(argv=argv, env=checked["env"], cwd=checked["cwd"] or cwd),
-        requirement=checked["requirement"],
+        requirement=_requirement(checked),
         resources=Resources(
             cpu_millis=checked["cpu"],
             memory_bytes=checked["memory"],

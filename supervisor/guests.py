@@ -1,9 +1,10 @@
 """How guest processes are confined on this node, decided once at start-up.
 
 `GuestPolicy` says whether guests run in a sandbox (bubblewrap), under which
-uids, which device nodes exist and where the node's Unix socket is; `prepare`
-turns one invocation's grant into what `run_process` needs and `GuestSession`
-gives it all back (uid, token file) once the invocation's processes are gone.
+uids, which device nodes exist, where the node's Unix socket is and under which
+roots a guest's cwd may be written on the host; `guest_session` turns one
+invocation's grant into what `run_process` needs and gives it all back (uid,
+token file) once the invocation's processes are gone.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class GuestPolicy:
     # Per-invocation cgroups (memory, CPU quota, pids, devices); None: not enforceable here.
     cgroups: Cgroups | None = None
     pids_max: int = 1024
+    # Real paths under which a guest's cwd is bound read-write: host writes no grant
+    # bounds, the operator's trust decision. Elsewhere a cwd is read-only.
+    writable_roots: tuple[Path, ...] = ()
 
     @classmethod
     def unconfined(cls, state_dir: Path) -> GuestPolicy:
@@ -79,6 +83,10 @@ class GuestPolicy:
         a uid is chosen. The guest's start opens and checks it again, with its uid."""
         fd, _ = open_cwd(cwd, self.protected(), None)
         os.close(fd)
+
+    def host_writable(self, real: Path) -> bool:
+        """Whether the cwd at `real` (where the opened folder really is) is bound read-write."""
+        return any(real.is_relative_to(root) for root in self.writable_roots)
 
     def secrets(self) -> tuple[Path, ...]:
         return tuple(Path(os.path.realpath(p)) for p in (self.state_dir, *self.hidden))
@@ -147,8 +155,11 @@ def guest_session(
     inventory: Inventory,
     cwd: str | None,
     node_url: str,
+    memory_bytes: int | None = None,
 ) -> Iterator[GuestSession]:
-    """Allocate a uid and a token file for one guest; give both back on exit."""
+    """Allocate a uid and a token file for one guest; give both back on exit.
+
+    `memory_bytes` (its grant) sizes its private /tmp."""
     if policy.refusal is not None:
         raise GuestsRefused(policy.refusal)
     uid = policy.uids.allocate() if policy.uids is not None else None
@@ -158,7 +169,9 @@ def guest_session(
             _opened_cwd(policy, cwd, uid) as folder,
             _token_file(tokens, uid, policy.run_dir) as token_path,
         ):
-            yield _session(policy, isolation, lanes, inventory, folder, node_url, uid, token_path)
+            yield _session(
+                policy, isolation, lanes, inventory, folder, node_url, uid, token_path, memory_bytes
+            )
     except ProcessStuck:
         stuck = True  # something still runs under the uid: never hand it to another guest
         raise
@@ -192,6 +205,7 @@ def _session(
     node_url: str,
     uid: int | None,
     token_path: Path,
+    memory_bytes: int | None,
 ) -> GuestSession:
     sandboxed = isolation is Isolation.SANDBOX
     env: dict[str, str] = {"LITEGRAPH_LANE_IDS": ",".join(lane.lane_id for lane in lanes)}
@@ -205,7 +219,9 @@ def _session(
         for lane in lanes:
             nodes.update(dict.fromkeys(lane_device_nodes(inventory, lane, policy.dev_root)))
     env["LITEGRAPH_CAPABILITY_TOKEN_FILE"] = TOKEN_FILE
-    env["HOME"] = GUEST_TMP if folder is None else str(folder[1])
+    writable = folder is not None and policy.host_writable(folder[1])
+    # A read-only cwd is no home: tools write their caches into the private /tmp.
+    env["HOME"] = str(folder[1]) if folder is not None and writable else GUEST_TMP
     env["TMPDIR"] = GUEST_TMP
     if policy.node_socket is not None:
         env["LITEGRAPH_NODE_SOCKET"] = NODE_SOCKET
@@ -218,6 +234,8 @@ def _session(
         node_socket=policy.node_socket,
         cwd=None if folder is None else str(folder[1]),
         cwd_fd=None if folder is None else folder[0],
+        cwd_writable=writable,
         masked=policy.secrets(),
+        tmp_bytes=memory_bytes,
     )
     return GuestSession(uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max)

@@ -87,6 +87,7 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
         inventory=sup.machine.inventory,
         cwd=work.cwd,
         node_url=sup.node_url,
+        memory_bytes=inv.request.resources.memory_bytes,
     ) as guest:
         inv.uid = guest.uid
         return await run_process(

@@ -7,6 +7,11 @@ namespaces; /usr and /etc read-only; a private /proc, a minimal /dev, a
 private /tmp; nothing of the daemon's state dir or of other guests' files.
 `--die-with-parent` ends the sandbox when the daemon dies.
 
+Writes: the private /tmp is a tmpfs no larger than the guest's memory grant,
+and its pages are charged to the guest's memory cgroup, so what a guest writes
+there is bounded by its grant. The host's folders are read-only, the cwd too
+unless it lies under a root the operator allowed host writes for.
+
 Devices: a `sandbox` guest gets no accelerator device node at all and its own
 network namespace (only loopback); it reaches the node through the node's
 Unix socket, bound at NODE_SOCKET. Other classes get exactly the device nodes
@@ -16,9 +21,9 @@ by what exists in its /dev, not by an environment variable.
 Tokens: a host file readable only by the guest's uid (0400 in a 0700 folder),
 bound read-only at TOKEN_FILE; one line per lane in the order of LITEGRAPH_LANE_IDS.
 
-The cwd: a host folder the daemon opened and checked, bound read-write from that
-descriptor (`/proc/self/fd/N`) at its real path, never by a name that could be
-swapped since (`supervisor/guest_cwd.py`).
+The cwd: a host folder the daemon opened and checked, bound (read-only unless
+writable) from that descriptor (`/proc/self/fd/N`) at its real path, never by a
+name that could be swapped since (`supervisor/guest_cwd.py`).
 """
 
 from __future__ import annotations
@@ -78,14 +83,18 @@ class SandboxSpec:
     token_file: Path | None = None
     # The node API's Unix socket on the host, bound at NODE_SOCKET.
     node_socket: Path | None = None
-    # A host folder to bind read-write and run in (where it really is); None runs in /tmp.
+    # A host folder to bind and run in (where it really is); None runs in /tmp.
     cwd: str | None = None
+    # Bind it read-write: host writes, allowed by the operator for its root.
+    cwd_writable: bool = False
     # An O_PATH descriptor of that folder, opened and checked by the daemon: bwrap
     # binds what it refers to, never the name (supervisor/guest_cwd.py).
     cwd_fd: int | None = None
     # Host paths no guest may see (the state dir, the auth file): hidden wherever
     # a bind above would reach them.
     masked: tuple[Path, ...] = ()
+    # The private /tmp's size (the memory grant); None: the kernel's default.
+    tmp_bytes: int | None = None
 
 
 def _system_mounts() -> list[str]:
@@ -126,7 +135,11 @@ def bwrap_argv(
     args += _system_mounts()
     if block_fd is not None:
         args += ["--block-fd", str(block_fd)]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", GUEST_TMP]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    if spec.tmp_bytes is not None:
+        # Full at the grant; its pages count against the memory cgroup as well.
+        args += ["--size", str(spec.tmp_bytes)]
+    args += ["--tmpfs", GUEST_TMP]
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--hostname", "guest", "--die-with-parent", "--new-session"]
     if spec.isolate_network:
@@ -144,7 +157,8 @@ def bwrap_argv(
             raise ValueError("a cwd is bound from its opened descriptor only")
         # The descriptor's magic link leads to the opened folder whatever its name
         # now points at; the child inherits the descriptor (Launch.pass_fds).
-        args += ["--bind", f"/proc/self/fd/{spec.cwd_fd}", spec.cwd]
+        bind = "--bind" if spec.cwd_writable else "--ro-bind"
+        args += [bind, f"/proc/self/fd/{spec.cwd_fd}", spec.cwd]
         bound.append(Path(spec.cwd))
     args += _masks(spec.masked, bound)
     args += ["--chdir", spec.cwd or GUEST_TMP]

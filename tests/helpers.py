@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import queue
@@ -14,6 +15,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+
+import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Guests run as other uids: their socket and token folders must be reachable from
@@ -162,3 +165,24 @@ def rest_of_stderr(proc: subprocess.Popen[str], timeout: float = 20.0) -> list[s
     if not seen or seen[-1] is not None:
         raise AssertionError("stderr did not end; got:\n" + "".join(x or "" for x in seen))
     return [line.rstrip("\n") for line in seen if line is not None]
+
+
+def submit_a_sleeper(url: str, state: pathlib.Path) -> None:
+    """One invocation of a daemon with state in `state` that runs for a minute, running
+    by the time this returns."""
+    body = {
+        "id": "sleeper",
+        "work": {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}},
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**20},
+    }
+    with httpx.Client(base_url=url, timeout=5) as client:
+        deadline = time.monotonic() + 20
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+        secret = json.loads((state / "auth.json").read_text())["scheduler"]
+        headers = {"Authorization": f"Bearer {secret}"}
+        assert client.post("/v1/invocations", json=body, headers=headers).status_code == 202
+        while client.get("/v1/invocations/sleeper", headers=headers).json()["state"] != "running":
+            assert time.monotonic() < deadline, "never running"
+            time.sleep(0.05)

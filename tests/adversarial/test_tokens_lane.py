@@ -7,6 +7,7 @@ invocations, live tokens, lane memory, ledger and journal.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 from typing import Any
@@ -76,6 +77,7 @@ def _variants(node: Node, token: str) -> dict[str, tuple[str, int, str]]:
     tampered = bytearray(paseto.parse(token).payload)
     tampered[5] ^= 1
     signature = paseto.parse(token).signature
+    doubled = (json.dumps(claims)[:-1] + ', "vram_bytes": 17179869184}').encode()
     tampered_token = (
         paseto.HEADER + paseto.b64url_encode(bytes(tampered) + signature) + "." + footer_text
     )
@@ -118,6 +120,22 @@ def _variants(node: Node, token: str) -> dict[str, tuple[str, int, str]]:
             "wrong_issuer",
         ),
         "expired": (craft(key, expired, footer=footer, node_id=node_id), 401, "expired"),
+        # Our own key over a live jti: only the claims issued under it are authority.
+        "resigned_16_gib": (
+            craft(key, dict(claims, vram_bytes=16 * GiB), footer=footer, node_id=node_id),
+            401,
+            "not_as_issued",
+        ),
+        "resigned_other_invocation": (
+            craft(key, dict(claims, sub="someone-else"), footer=footer, node_id=node_id),
+            401,
+            "not_as_issued",
+        ),
+        "duplicate_key": (
+            craft(key, doubled, footer=footer, node_id=node_id),
+            401,
+            "duplicate_claim",
+        ),
         "not_yet_valid": (craft(key, future, footer=footer, node_id=node_id), 401, "not_yet_valid"),
     }
 
@@ -135,7 +153,7 @@ async def test_lane_hostile_tokens_refused_and_nothing_changes(tmp_path: pathlib
                 reply = await _work(node, lane, hostile, body)
                 assert (reply.status_code, error_code(reply)) == (status, code), (name, reply.text)
                 tried += 1
-        assert tried >= 28
+        assert tried >= 34
         assert await node.state() == before
         # The genuine token still works: refusals poisoned nothing.
         assert (await _work(node, lane, token)).status_code == 200
@@ -152,6 +170,24 @@ async def test_lane_token_for_another_lane_refused_403(tmp_path: pathlib.Path) -
                 reply = await _work(node, other, token, body)
                 assert reply.status_code == 403 and error_code(reply) == "wrong_audience"
         assert await node.state() == before
+
+
+async def test_lane_live_jti_resigned_for_another_lane_refused_401(tmp_path: pathlib.Path) -> None:
+    """With the signing key, a live token re-signed for another lane once did work there."""
+    async with running_node(tmp_path) as node:
+        accepted = await node.submit(gpu_request("holder"))
+        lane, token = next(iter(accepted["tokens"].items()))
+        key, footer = _signing_key(node), paseto.parse(token).footer
+        before = await node.state()
+        for other in [x for x in await node.lanes("mig") if x != lane] + await node.lanes("cpu"):
+            resigned = craft(
+                key, dict(claims_of(token), aud=other), footer=footer, node_id=_node_id(node)
+            )
+            for body in (NOOP, {"op": "memory_reserve", "dtype": "uint8", "shape": [1]}):
+                reply = await _work(node, other, resigned, body)
+                assert (reply.status_code, error_code(reply)) == (401, "not_as_issued"), reply.text
+        assert await node.state() == before
+        assert (await _work(node, lane, token)).status_code == 200
 
 
 async def test_lane_cpu_token_asking_memory_reserve_refused(tmp_path: pathlib.Path) -> None:

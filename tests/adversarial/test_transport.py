@@ -7,6 +7,7 @@ connection, never `serve_http`, the supervisor or running work.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 
 import h2.config
@@ -109,6 +110,34 @@ async def test_transport_h2c_upgrade_is_answered_over_http_1_1(tmp_path: pathlib
         )
         reply = await raw_request(node.url, request)
         assert reply.status == 200 and reply.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["a" * 64, "a" * 64 + ".example:7380", "b." + "c" * 70, "x..y", ".", "127.0.0.1:80"],
+    ids=["label-64", "label-64-port", "second-label-70", "empty-label", "dot", "port-80"],
+)
+async def test_transport_a_host_idna_refuses_is_400_in_the_envelope_and_logs_no_traceback(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, host: str
+) -> None:
+    """A Host label over 63 characters (or an empty one) once made every request 500
+    with a 40-line traceback in the log, before any credential was checked."""
+    async with running_node(tmp_path) as node:
+        before = await node.state()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            for target in ("/healthz", "/v1/snapshot", "/no/such/route"):
+                request = f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                reply = await raw_request(node.url, request.encode())
+                if host == "127.0.0.1:80":  # a good one still reaches the routes
+                    assert reply.status in (200, 401, 404), reply.body
+                    continue
+                assert reply.status == 400, (target, reply.status, reply.body)
+                assert reply.json()["error"]["code"] == "bad_host", reply.body
+        noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert not noisy, [r.getMessage() for r in noisy]
+        assert await node.state() == before
+        assert (await node.client.get("/healthz")).status_code == 200
 
 
 async def test_transport_an_error_inside_one_connection_closes_only_that_connection(

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 import signal
 import socket
 import subprocess
-import time
 
 import httpx
 import msgspec
@@ -21,6 +19,7 @@ from tests.helpers import (
     rest_of_stderr,
     spawned,
     stop,
+    submit_a_sleeper,
     wait_for_line,
 )
 
@@ -175,26 +174,6 @@ def test_dev_refuses_an_open_state_dir_with_one_line(tmp_path: pathlib.Path) -> 
     assert list(state.iterdir()) == []
 
 
-def _submit_a_sleeper(url: str, state: pathlib.Path) -> None:
-    """One invocation that runs for a minute, running by the time this returns."""
-    body = {
-        "id": "sleeper",
-        "work": {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}},
-        "resources": {"cpu_millis": 100, "memory_bytes": 2**20},
-    }
-    with httpx.Client(base_url=url, timeout=5) as client:
-        deadline = time.monotonic() + 20
-        while client.get("/readyz").status_code != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.05)
-        secret = json.loads((state / "auth.json").read_text())["scheduler"]
-        headers = {"Authorization": f"Bearer {secret}"}
-        assert client.post("/v1/invocations", json=body, headers=headers).status_code == 202
-        while client.get("/v1/invocations/sleeper", headers=headers).json()["state"] != "running":
-            assert time.monotonic() < deadline, "never running"
-            time.sleep(0.05)
-
-
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_second_signal_stops_at_once_with_its_own_status_and_one_line(
     tmp_path: pathlib.Path, signum: signal.Signals, status: int
@@ -203,7 +182,7 @@ def test_a_second_signal_stops_at_once_with_its_own_status_and_one_line(
     argv = _serve_argv(state, "--listen", "127.0.0.1:0", "--shutdown-grace", "60")
     with spawned(argv, clean_env()) as proc:
         url = wait_for_line(proc, LISTENING)
-        _submit_a_sleeper(url, state)
+        submit_a_sleeper(url, state)
         proc.send_signal(signum)
         # The first signal says what shutdown waits for, and how not to wait.
         said = wait_for_line(proc, rf"({signum.name}: stopping.*)")

@@ -157,7 +157,8 @@ def test_an_id_cut_off_by_a_crash_answers_node_restarted_and_does_not_run_again(
         },
         "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
     }
-    env = clean_env()
+    # Its marker is a host write: allowed under that root only.
+    env = clean_env(LITEGRAPH_NODE_GUEST_WRITABLE_ROOTS=json.dumps([str(shared)]))
     with spawned(_serve(tmp_path), env) as first:
         url, operator = _ready(first, tmp_path)
         with httpx.Client(base_url=url, headers=operator, timeout=10) as client:

@@ -86,7 +86,7 @@ def test_tokens_pyseto_signs_with_our_key_verify_here(service: TokenService) -> 
         implicit_assertion=service.implicit_assertion(),
     )
     # Authority needs more than a signature: the token must be the current one.
-    service.live.admit(claims.sub, claims.aud, claims.jti, now + 120)
+    service.live.admit(claims)
     validated = service.validator().validate(
         token.decode(), lane_id="lane-a", op=LaneOp.EXECUTE, vram_bytes=42
     )

@@ -19,6 +19,7 @@ from capabilities import (
     TokenService,
     paseto,
 )
+from capabilities.claims import decode_claims
 from tests.fakes.clock import T0, FakeClock
 
 R = TokenRefusal
@@ -107,7 +108,7 @@ def test_a_hand_signed_token_is_authorised_only_while_it_is_current(
     current token of its invocation on its lane."""
     token = _sign(service, _claims())
     assert _reason(validator, token) is R.REVOKED
-    service.live.admit("inv-1", "lane-a", _claims()["jti"], T0 + 600)
+    service.live.admit(decode_claims(json.dumps(_claims()).encode()))
     assert validator.validate(token, lane_id="lane-a", op=LaneOp.EXECUTE)
 
 
@@ -237,11 +238,22 @@ def test_reasons_come_in_the_documented_order(
     )
     # revoked and out of scope: revoked first
     assert _reason(validator, token, op=LaneOp.MEMORY_RELEASE) is R.REVOKED
+    # live but not as issued, and out of scope: not as issued first
+    live = service.mint(
+        invocation_id="inv-2", lane_id="lane-a", ops=[LaneOp.EXECUTE], vram_bytes=0,
+        isolation=Isolation.SANDBOX, deadline=None,
+    ).claims  # fmt: skip
+    wider = _claims(sub="inv-2", jti=live.jti, vram_bytes=2**40, ops=["execute"])
+    resigned = _sign(service, wider)
+    assert _reason(validator, resigned, op=LaneOp.MEMORY_RELEASE) is R.NOT_AS_ISSUED
     clock.now = T0 + 3600
     # expired beats all of those
     assert _reason(validator, token, lane_id="lane-b") is R.EXPIRED
     # wrong issuer is found before the time
     assert _reason(validator, _sign(service, _claims(iss="x"))) is R.WRONG_ISSUER
+    # a key given twice is found before the issuer
+    doubled = json.dumps(_claims(iss="x"))[:-1] + ', "iss": "node-a"}'
+    assert _reason(validator, _sign(service, doubled.encode())) is R.DUPLICATE_CLAIM
     # and a bad signature before the claims are even read
     bad = _sign(service, b"not json", secret=Ed25519PrivateKey.generate())
     assert _reason(validator, bad) is R.BAD_SIGNATURE
@@ -253,11 +265,13 @@ def test_reasons_come_in_the_documented_order(
         R.UNKNOWN_KEY,
         R.BAD_SIGNATURE,
         R.BAD_CLAIMS,
+        R.DUPLICATE_CLAIM,
         R.WRONG_ISSUER,
         R.NOT_YET_VALID,
         R.EXPIRED,
         R.WRONG_AUDIENCE,
         R.REVOKED,
+        R.NOT_AS_ISSUED,
         R.OP_NOT_GRANTED,
         R.VRAM_OVER_BUDGET,
         R.WRONG_HOLDER,  # the supervisor's check, after a token is otherwise valid

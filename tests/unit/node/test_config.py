@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import pytest
 
-from node.cli import COMMANDS
+from node.cli import COMMANDS, Invocation, dev_config
 from node.config import Config, DeviceMode, build_config, parse_size, split_listen
 from node.flags import FlagError, coerce, load_flag_table, parse_argv
 
@@ -83,6 +84,10 @@ def test_listen_addresses(listen: str, expected: tuple[str, int]) -> None:
         (["--log-format", "xml"], "--log-format"),
         (["--lane-host-command", '["lanehost"]'], "--lane-host-command"),
         (["--lane-host-command", '["/usr/bin/x", 3]'], "--lane-host-command"),
+        (["--guest-writable-roots", '["work"]'], "--guest-writable-roots"),
+        (["--guest-writable-roots", '[""]'], "--guest-writable-roots"),
+        (["--guest-writable-roots", "[7]"], "--guest-writable-roots"),
+        (["--guest-writable-roots", "/srv/work"], "--guest-writable-roots"),
     ],
 )
 def test_invalid_values_name_the_flag(argv: list[str], named: str) -> None:
@@ -94,6 +99,29 @@ def test_the_lane_host_command_is_the_built_in_one_unless_given() -> None:
     assert config_from([]).lane_host_command == ()
     given = config_from(["--lane-host-command", '["/opt/host", "--fast"]'])
     assert given.lane_host_command == ("/opt/host", "--fast")
+
+
+def test_guests_write_on_the_host_only_under_roots_given() -> None:
+    assert config_from([]).guest_writable_roots == ()  # serve: every cwd read-only
+    given = config_from(["--guest-writable-roots", '["/srv/a/", "/srv/b", "/srv/a"]'])
+    assert given.guest_writable_roots == ("/srv/a", "/srv/b")
+
+
+def test_dev_lets_guests_write_where_it_started_unless_told(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    table = load_flag_table()
+
+    def dev(argv: list[str], env: dict[str, str]) -> Config:
+        return dev_config(
+            Invocation(table, parse_argv(table, ["dev", *argv], env, tuple(COMMANDS)))
+        )
+
+    assert dev([], {}).guest_writable_roots == (str(tmp_path),)
+    assert dev(["--guest-writable-roots", "[]"], {}).guest_writable_roots == ()
+    env = {"LITEGRAPH_NODE_GUEST_WRITABLE_ROOTS": '["/srv/x"]'}
+    assert dev([], env).guest_writable_roots == ("/srv/x",)
 
 
 def test_environment_reaches_config() -> None:

@@ -93,15 +93,15 @@ def test_secrets_under_a_bound_folder_are_masked_and_missing_ones_never_made(
     assert f"--ro-bind /dev/null {auth}" in text
     assert str(missing) not in text
     # Masks come after the bind they cover: later mounts win.
-    assert text.index(f"--bind /proc/self/fd/7 {tmp_path}") < text.index(f"--tmpfs {state}")
+    assert text.index(f"--ro-bind /proc/self/fd/7 {tmp_path}") < text.index(f"--tmpfs {state}")
     outside = bwrap_argv(_spec(tmp_path, masked=(state,)), ["x"])
     assert str(state) not in " ".join(outside)  # nothing binds it: nothing to hide
 
 
 def test_a_cwd_is_bound_from_its_descriptor_never_by_its_name(tmp_path: pathlib.Path) -> None:
     argv = bwrap_argv(_spec(tmp_path, cwd=str(tmp_path), cwd_fd=9), ["x"])
-    at = argv.index("--bind", argv.index("--tmpfs"))
-    assert argv[at : at + 3] == ["--bind", "/proc/self/fd/9", str(tmp_path)]
+    at = argv.index("/proc/self/fd/9") - 1
+    assert argv[at : at + 3] == ["--ro-bind", "/proc/self/fd/9", str(tmp_path)]
     assert argv[argv.index("--chdir") + 1] == str(tmp_path)
     with pytest.raises(ValueError, match="descriptor"):
         bwrap_argv(_spec(tmp_path, cwd=str(tmp_path)), ["x"])
@@ -171,8 +171,8 @@ def test_mig_minors_are_read_from_the_drivers_list(tmp_path: pathlib.Path) -> No
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another uid: root")
 
 
-def _session_of(pool: UidPool, tmp_path: pathlib.Path) -> Any:
-    policy = GuestPolicy(bwrap=None, uids=pool, state_dir=tmp_path / "state", run_dir=tmp_path)
+def session_with(policy: GuestPolicy, cwd: str | None = None, memory_bytes: int = 2**26) -> Any:
+    """`guest_session` for one CPU guest under `policy`."""
     inventory = _inventory()
     return guest_session(
         policy,
@@ -180,9 +180,15 @@ def _session_of(pool: UidPool, tmp_path: pathlib.Path) -> Any:
         lanes=[build_lanes(inventory)[0]],
         tokens=["v4.public.x"],
         inventory=inventory,
-        cwd=None,
+        cwd=cwd,
         node_url="",
+        memory_bytes=memory_bytes,
     )
+
+
+def _session_of(pool: UidPool, tmp_path: pathlib.Path) -> Any:
+    policy = GuestPolicy(bwrap=None, uids=pool, state_dir=tmp_path / "state", run_dir=tmp_path)
+    return session_with(policy)
 
 
 @needs_root

@@ -1,0 +1,53 @@
+"""`run`'s options as the request it submits: asking for a device means a GPU lane."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from machine.lanes import Requirement
+from node.flags import FlagError
+from node.run_request import build_request
+
+DEFAULTS: dict[str, Any] = {
+    "cpu": "1",
+    "memory": "2GiB",
+    "gpus": 0,
+    "vram": "0",
+    "isolation": "shared",
+    "requirement": "",
+    "env": [],
+    "cwd": "",
+    "timeout": 3600.0,
+}
+
+
+def requirement_of(**options: Any) -> Requirement:
+    return build_request({**DEFAULTS, **options}, ["true"], "/srv").requirement
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"gpus": 3}, {"vram": "30GiB"}, {"isolation": "partitioned"}],
+    ids=["gpus", "vram", "partitioned"],
+)
+def test_asking_for_a_device_asks_for_a_gpu_lane_unless_told_otherwise(
+    options: dict[str, Any],
+) -> None:
+    """The report: `run --gpus 3` on a node with 2 GPUs (or `--vram 30GiB`, or a
+    drained GPU lane) ran on the CPU lane and exited 0. Now it asks for `gpu`, so it
+    gets GPUs or a refusal; `--requirement auto` keeps the fallback for who wants it."""
+    assert requirement_of(**options) is Requirement.GPU
+    assert requirement_of(**options, requirement="auto") is Requirement.AUTO
+
+
+def test_no_device_asked_for_is_auto_and_an_explicit_choice_is_kept() -> None:
+    assert requirement_of() is Requirement.AUTO
+    assert requirement_of(requirement="cpu") is Requirement.CPU
+    assert requirement_of(requirement="gpu") is Requirement.GPU
+
+
+def test_a_bad_requirement_is_named() -> None:
+    with pytest.raises(FlagError, match="--requirement: expected one of"):
+        requirement_of(requirement="tpu")
