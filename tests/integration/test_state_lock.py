@@ -84,7 +84,8 @@ def test_a_second_serve_on_one_state_folder_exits_1_naming_the_first_and_changes
     tmp_path: pathlib.Path,
 ) -> None:
     state = tmp_path / "state"
-    with spawned(_serve(state), clean_env()) as first:
+    # No grace at its end: its sleeper is cancelled at once when it stops.
+    with spawned(_serve(state, "--shutdown-grace", "0"), clean_env()) as first:
         url = _started(first, state)
         submit_a_sleeper(url, state)
         before = _files(state)

@@ -117,7 +117,9 @@ class Load:
                 "work": {"kind": "builtin", "name": "sleep", "args": {"seconds": 30}},
                 "requirement": "gpu",
                 "resources": {
-                    "cpu_millis": 10,
+                    # Its lane session's host is charged to it: at 10 millicores its
+                    # start alone would take seconds.
+                    "cpu_millis": 200,
                     "memory_bytes": MiB,
                     "gpus": 1,
                     "vram_bytes": 64 * MiB,
