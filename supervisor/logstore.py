@@ -5,10 +5,18 @@ folder of the state folder, which the sandbox masks from every guest), each made
 its stream's first byte: an invocation that writes nothing costs no file and no disk
 call, and its logs read as empty. Bounds: at
 most `invocation_bytes` per invocation (both streams; later bytes are cut and only
-the status's tail shows them), `total_bytes` over every log (the logs of the
-invocations that ended first are evicted, never a live one's; when live logs alone
-fill it, new bytes are cut), at most MAX_KEPT ended invocations, and each is removed
-`retention_s` seconds after its end. Writes run in worker threads of their own
+the status's tail shows them), `total_bytes` over every log, at most MAX_KEPT ended
+invocations, and each is removed `retention_s` seconds after its end.
+
+The total is shared fairly: each invocation holding logs is guaranteed an equal share
+(`total_bytes` over their number). When a write would pass the total, room comes from
+whoever holds the most, when that is over its share: an ended invocation's logs are
+evicted (whole, the largest first, the older of equals first), or, when the writer
+itself holds the most (or only running ones are over their shares), the writer's
+new bytes are cut (`total_limit`). So one invocation's output never evicts logs that
+are within their share, and whatever is evicted before its retention says so
+(`logs_cut: evicted`). A running invocation's logs are never evicted. Writes run in
+worker threads of their own
 limiter, each under a deadline: a full, failing or stuck disk cuts that
 invocation's logs and its status says so (`logs_cut`); the invocation itself runs
 and ends as it would have.
@@ -18,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import heapq
+import itertools
 import logging
 import os
 import stat
@@ -63,7 +73,7 @@ class InvocationLogs:
         self.id = invocation_id
         self._store = store
         self.bytes = 0  # counted against the bounds (both files)
-        self.cut: str | None = None  # why some bytes were not kept
+        self.cut: str | None = None  # why some bytes were not kept ("evicted": all of them)
         self.created = False  # it takes bytes (an older run's files of the id are gone)
         self.closed = False  # no byte will be added any more
         self.ended_at: float | None = None  # wall clock
@@ -196,8 +206,13 @@ class LogStore:
         self.folder = folder
         self.limits = limits
         self.total = 0
+        self.holders = 0  # invocations with bytes counted (live and ended): shares' divisor
         self._live: dict[str, InvocationLogs] = {}
         self._ended: OrderedDict[str, InvocationLogs] = OrderedDict()  # oldest end first
+        # The ended logs that hold bytes, largest first (older first among equals); an
+        # entry no longer in `_ended` is skipped, and compacted away (see `_index`).
+        self._largest: list[tuple[int, int, InvocationLogs]] = []
+        self._order = itertools.count()
         self._limiter = trio.CapacityLimiter(WRITER_THREADS)
         self.readers = 0  # open log streams (the edge bounds them)
 
@@ -211,9 +226,10 @@ class LogStore:
             logs = InvocationLogs(store, invocation_id)
             logs.created = logs.closed = True
             logs._on_disk.update(STREAMS)
-            logs.bytes, logs.ended_at = size, ended_at
+            logs.ended_at = ended_at
             store._ended[invocation_id] = logs
-            store.total += size
+            store._count(logs, size)
+            store._index(logs)
         await store.remove(store._over_bounds(time.time()))
         return store
 
@@ -232,13 +248,19 @@ class LogStore:
         old = self._ended.pop(invocation_id, None) or self._live.pop(invocation_id, None)
         logs = InvocationLogs(self, invocation_id)
         if old is not None:
-            self.total -= old.bytes
+            self._count(old, -old.bytes)
             logs.stale = bool(old.files())  # emptied by `create`
         self._live[invocation_id] = logs
         return logs
 
     def find(self, invocation_id: str) -> InvocationLogs | None:
         return self._live.get(invocation_id) or self._ended.get(invocation_id)
+
+    def share(self, logs: InvocationLogs | None = None) -> int:
+        """Each holder's guaranteed bytes: the total over the invocations holding logs
+        (`logs` counted among them, as it asks to hold some)."""
+        holders = self.holders + (1 if logs is not None and logs.bytes == 0 else 0)
+        return self.limits.total_bytes // max(1, holders)
 
     def make_room(self, logs: InvocationLogs, size: int) -> tuple[int, list[Path], str | None]:
         """How many of `size` new bytes `logs` may keep, the ended logs to remove to make
@@ -248,13 +270,21 @@ class LogStore:
         if allowed < size:
             reason = "invocation_limit"
         victims: list[Path] = []
-        while self.total + allowed > self.limits.total_bytes and self._ended:
-            victims += self._forget(next(iter(self._ended)))
-        if self.total + allowed > self.limits.total_bytes:
-            allowed = max(0, self.limits.total_bytes - self.total)
-            reason = "total_limit"
-        self.total += allowed
-        logs.bytes += allowed
+        while self.total + allowed > self.limits.total_bytes:
+            # The largest over-share gives first: the largest ended logs if they are
+            # over their share and at least as large as the writer's would be, else
+            # the writer's new bytes (no ended logs within their share are taken).
+            largest = self._largest_ended()
+            if (
+                largest is None
+                or largest.bytes <= self.share(logs)
+                or largest.bytes < logs.bytes + allowed
+            ):
+                allowed = max(0, self.limits.total_bytes - self.total)
+                reason = "total_limit"
+                break
+            victims += self._forget(largest.id, evicted=True)
+        self._count(logs, allowed)
         return allowed, victims, reason
 
     def ended(self, logs: InvocationLogs) -> list[Path]:
@@ -262,24 +292,61 @@ class LogStore:
         if self._live.get(logs.id) is logs:
             del self._live[logs.id]
             self._ended[logs.id] = logs
+            self._index(logs)
         return self._over_bounds(time.time())
 
-    def _forget(self, invocation_id: str) -> list[Path]:
+    def _count(self, logs: InvocationLogs, size: int) -> None:
+        """`size` more (or, negative, fewer) bytes of `logs` count against the bounds."""
+        held, holds = logs.bytes > 0, logs.bytes + size > 0
+        self.holders += holds - held
+        logs.bytes += size
+        self.total += size
+
+    def _index(self, logs: InvocationLogs) -> None:
+        """Ended `logs` (in `_ended`) enter the largest-first index; stale entries are
+        compacted away before they outnumber the kept ones (it stays bounded)."""
+        if not logs.bytes:
+            return
+        heapq.heappush(self._largest, (-logs.bytes, next(self._order), logs))
+        if len(self._largest) > 2 * len(self._ended) + 64:
+            self._largest = [e for e in self._largest if self._ended.get(e[2].id) is e[2]]
+            heapq.heapify(self._largest)
+
+    def _largest_ended(self) -> InvocationLogs | None:
+        while self._largest:
+            logs = self._largest[0][2]
+            if self._ended.get(logs.id) is logs:
+                return logs
+            heapq.heappop(self._largest)
+        return None
+
+    def _forget(self, invocation_id: str, *, evicted: bool = False) -> list[Path]:
+        """Forget ended logs; `evicted`: before their retention, and their status says so
+        (when they held any byte)."""
         logs = self._ended.pop(invocation_id)
-        self.total -= logs.bytes
+        if evicted and logs.bytes:
+            logs.cut = "evicted"
+            log.warning("logs of %s evicted (%d bytes) to make room", logs.id, logs.bytes)
+        self._count(logs, -logs.bytes)
         return logs.files()
 
     def _over_bounds(self, now: float) -> list[Path]:
-        """Forget the ended logs past their retention, beyond MAX_KEPT or the total."""
+        """Forget the ended logs past their retention or beyond MAX_KEPT (oldest first),
+        and beyond the total (largest first: only a lowered total at start passes it)."""
         victims: list[Path] = []
         # Oldest first, stopping at the first that stays: an ending costs its victims
         # plus one look, not a walk over every kept log.
         while self._ended:
             invocation_id, logs = next(iter(self._ended.items()))
             expired = (logs.ended_at or 0.0) + self.limits.retention_s <= now
-            if not (expired or len(self._ended) > MAX_KEPT or self.total > self.limits.total_bytes):
+            if not (expired or len(self._ended) > MAX_KEPT):
                 break
-            victims += self._forget(invocation_id)
+            victims += self._forget(invocation_id, evicted=not expired)
+        while self.total > self.limits.total_bytes:
+            largest = self._largest_ended()
+            if largest is None:
+                break
+            victims += self._forget(largest.id, evicted=True)
         return victims
 
     async def remove(self, victims: list[Path]) -> None:

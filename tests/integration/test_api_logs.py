@@ -129,6 +129,33 @@ async def test_logs_cut_at_the_bound_say_so_in_the_status(tmp_path: pathlib.Path
         assert reply.content == b"hell"
 
 
+async def test_another_tenants_output_never_evicts_logs_within_their_share(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with (
+        running_daemon(
+            tmp_path, "--logs-max-bytes", "16KiB", "--logs-total-bytes", "64KiB"
+        ) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        headers = bearer(node.scheduler)
+        await client.post("/v1/invocations", json=_process("victim", "echo 42"), headers=headers)
+        await wait_for_state(client, node.scheduler, "victim")
+        for n in range(6):  # 6 x 16 KiB kept (of 20 KB printed) against a 64 KiB total
+            body = _process(f"noisy-{n}", "head -c 20000 /dev/zero")
+            await client.post("/v1/invocations", json=body, headers=headers)
+            await wait_for_state(client, node.scheduler, f"noisy-{n}")
+        victim = await client.get("/v1/invocations/victim/logs", headers=headers)
+        assert victim.status_code == 200 and victim.content == b"42\n"
+        assert (await wait_for_state(client, node.scheduler, "victim")).logs_cut is None
+        first = await wait_for_state(client, node.scheduler, "noisy-0")
+        assert first.logs_cut == "evicted"
+        gone = await client.get("/v1/invocations/noisy-0/logs", headers=headers)
+        assert gone.status_code == 404 and _code(gone) == "logs_unavailable"
+        last = await wait_for_state(client, node.scheduler, "noisy-5")
+        assert last.logs_cut == "invocation_limit"
+
+
 async def test_logs_refusals(tmp_path: pathlib.Path) -> None:
     async with (
         running_daemon(tmp_path) as node,

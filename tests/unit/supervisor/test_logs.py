@@ -118,7 +118,7 @@ async def test_the_bound_per_invocation_cuts_and_the_status_can_say_so(tmp_path:
     assert store.total == 10
 
 
-async def test_the_total_bound_evicts_the_oldest_ended_logs_never_a_live_one(
+async def test_the_total_bound_evicts_the_largest_ended_logs_over_their_share_never_a_live_one(
     tmp_path: Path,
 ) -> None:
     limits = LogLimits(invocation_bytes=100, total_bytes=25, retention_s=3600)
@@ -130,13 +130,96 @@ async def test_the_total_bound_evicts_the_oldest_ended_logs_never_a_live_one(
     await newer.write("stdout", b"y" * 10)
     await newer.close()
     live = await _started(store, "live")
-    await live.write("stdout", b"z" * 10)  # 30 > 25: "old" goes
+    await live.write("stdout", b"z" * 10)  # 30 > 25, shares of 8: the older of equals goes
     assert store.find("old") is None and not old.path("stdout").exists()
+    assert old.cut == "evicted"
     assert store.find("newer") is newer and newer.path("stdout").exists()
-    await live.write("stdout", b"z" * 20)  # "newer" goes; live alone fills the rest
-    assert store.find("newer") is None
-    assert await _read(live) == b"z" * 25
+    await live.write("stdout", b"z" * 20)  # shares of 12: "newer" is within its own
+    assert store.find("newer") is newer and newer.cut is None
+    assert await _read(newer) == b"y" * 10
+    assert await _read(live) == b"z" * 15
     assert live.cut == "total_limit" and store.total == 25
+
+
+async def test_another_tenants_output_never_evicts_logs_within_their_share(
+    tmp_path: Path,
+) -> None:
+    # The finding, scaled down: 17 invocations each writing past the per-invocation
+    # bound (66 of 64 KiB) into a 1 MiB total, after a victim's small logs ended.
+    limits = LogLimits(invocation_bytes=64 * 1024, total_bytes=2**20, retention_s=3600)
+    store = await LogStore.open(tmp_path / "logs", limits)
+    victim = await _started(store, "victim")
+    await victim.write("stdout", b"result: 42\n")
+    await victim.close()
+    noisy = []
+    for n in range(17):
+        logs = await _started(store, f"noisy-{n}")
+        for _ in range(66):
+            await logs.write("stdout", b"n" * 1024)
+        await logs.close()
+        noisy.append(logs)
+    assert store.find("victim") is victim and victim.cut is None
+    assert await _read(victim) == b"result: 42\n"
+    # Room came from the noisy ones' oldest logs (17 x 64 KiB > 1 MiB), which say so.
+    assert [logs.cut for logs in noisy[:2]] == ["evicted", "evicted"]
+    assert store.find("noisy-0") is None and not noisy[0].path("stdout").exists()
+    for logs in noisy[2:]:
+        assert store.find(logs.id) is logs and logs.cut == "invocation_limit"
+    assert store.total <= limits.total_bytes
+
+
+async def test_a_writer_over_its_share_is_cut_rather_than_evicting_others(
+    tmp_path: Path,
+) -> None:
+    limits = LogLimits(invocation_bytes=2**20, total_bytes=2**20, retention_s=3600)
+    store = await LogStore.open(tmp_path / "logs", limits)
+    kept = []
+    for n in range(3):
+        logs = await _started(store, f"small-{n}")
+        await logs.write("stderr", b"s" * (100 * 1024))
+        await logs.close()
+        kept.append(logs)
+    noisy = await _started(store, "noisy")
+    for _ in range(40):  # 2.5 MiB against a 1 MiB total
+        await noisy.write("stdout", b"n" * (64 * 1024))
+    assert noisy.cut == "total_limit"
+    assert noisy.bytes == limits.total_bytes - 300 * 1024 and store.total == limits.total_bytes
+    for logs in kept:
+        assert store.find(logs.id) is logs and logs.cut is None
+        assert await _read(logs, "stderr") == b"s" * (100 * 1024)
+
+
+async def test_evicted_logs_say_so_in_their_status(tmp_path: Path) -> None:
+    limits = LogLimits(invocation_bytes=2**20, total_bytes=2**20, retention_s=3600)
+    store = await LogStore.open(tmp_path / "logs", limits)
+    big = await _started(store, "big")
+    await big.write("stdout", b"b" * (700 * 1024))
+    await big.close()
+    small = await _started(store, "small")
+    await small.write("stdout", b"s" * 1024)
+    await small.close()
+    writer = await _started(store, "writer")
+    await writer.write("stdout", b"w" * (400 * 1024))  # "big" is the largest over-share
+    assert big.cut == "evicted" and store.find("big") is None
+    assert small.cut is None and writer.cut is None
+    assert store.total == 401 * 1024 and store.holders == 2
+
+
+async def test_logs_forgotten_for_the_count_bound_say_so_unless_they_were_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervisor.logstore, "MAX_KEPT", 2)
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    first = await _started(store, "first")
+    await first.write("stdout", b"x")
+    await first.close()
+    quiet = await _started(store, "quiet")
+    await quiet.close()
+    for n in range(2):
+        await (await _started(store, f"later-{n}")).close()
+    assert store.find("first") is None and store.find("quiet") is None
+    assert first.cut == "evicted" and quiet.cut is None  # nothing of it was lost
+    assert store.holders == 0 and store.total == 0
 
 
 async def test_a_full_disk_cuts_the_logs_and_never_raises(
@@ -301,3 +384,17 @@ async def test_an_ending_looks_only_at_the_oldest_kept_logs_not_all_of_them(
     # Nothing was over a bound: each ending looked at the oldest entry and stopped.
     assert len(counted) == 200
     assert counted.looked <= 200
+
+
+async def test_the_largest_first_index_stays_bounded_by_the_kept_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervisor.logstore, "MAX_KEPT", 4)
+    store = await LogStore.open(tmp_path / "logs", LIMITS)
+    for n in range(300):
+        logs = await _started(store, f"kept-{n}")
+        await logs.write("stdout", b"x" * (n + 1))
+        await logs.close()
+    assert len(store._ended) == 4 and store.holders == 4
+    assert len(store._largest) <= 2 * 4 + 64
+    assert store.total == sum(range(297, 301))
