@@ -1,9 +1,8 @@
 """The reservation journal: an fsync'd append-only log under the state dir.
 
-Each record is framed as 4-byte big-endian length, 4-byte CRC32 of the
-payload, then the msgpack payload (a tagged msgspec Struct). Compaction
-rewrites the live state to a temp file, fsyncs it and renames it over the
-log (atomic).
+Each record is framed as 4-byte big-endian length, 4-byte CRC32 of the payload, then
+the msgpack payload (a tagged msgspec Struct). Compaction rewrites the live state to a
+temp file, fsyncs it and renames it over the log (atomic).
 
 Besides reservations and processes, the live state remembers ended
 invocations (`EndedRecord`: the id, a digest of the request, and the outcome,
@@ -36,6 +35,11 @@ the file is left exactly as it was. A 0-byte journal (created and never
 written, or compacted when nothing was live) is a journal with no records:
 it opens with an info line saying so.
 
+Losses. `<journal>.mark` (`journal_mark.py`) holds the record count of the last
+fsynced write. A journal holding fewer (empty, cut, missing) raises `JournalLost`
+naming the file and both counts, the file untouched, unless `accept_loss`: then a
+warning, and the mark is rewritten. No mark (older versions wrote none) claims nothing.
+
 The file is created with mode 0600; a journal path that is a symlink, not a
 regular file, owned by someone else or open to group/others is refused with
 `JournalUnsafe` rather than used.
@@ -57,6 +61,7 @@ from pathlib import Path
 
 import msgspec
 
+from machine.journal_mark import MARK_SUFFIX, JournalMark, MarkUnreadable, read_mark
 from machine.journal_records import (
     EndedRecord,
     ProcessEndedRecord,
@@ -84,6 +89,7 @@ __all__ = [
     "Journal",
     "JournalCorrupt",
     "JournalError",
+    "JournalLost",
     "JournalReplay",
     "JournalUnsafe",
     "ProcessEndedRecord",
@@ -144,8 +150,33 @@ class JournalCorrupt(JournalError):
         self.problem = problem
         super().__init__(
             f"journal {path} is corrupt at byte {offset} ({problem}); the file is left "
-            "as it was: inspect it, or move it aside to start without it"
+            "as it was: inspect it, or move it aside and start with --accept-journal-loss"
         )
+
+
+class JournalLost(JournalError):
+    """The journal holds fewer records than it acknowledged: something cut it."""
+
+    def __init__(self, path: Path, held: int, mark: Path, acknowledged: int | None) -> None:
+        self.path = path
+        self.held = held
+        self.mark = mark
+        self.acknowledged = acknowledged
+        said = "is unreadable" if acknowledged is None else f"says {acknowledged} were acknowledged"
+        self.what = f"journal {path} holds {held} records, {mark} {said}"
+        super().__init__(f"{self.what}; --accept-journal-loss to start anyway")
+
+
+def _check_loss(
+    path: Path, held: int, mark: Path, acknowledged: int | None, *, accept: bool
+) -> None:
+    """Refuse a journal holding fewer records than its mark says it acknowledged."""
+    if acknowledged is not None and held >= acknowledged:
+        return
+    lost = JournalLost(path, held, mark, acknowledged)
+    if not accept:
+        raise lost
+    log.warning("%s: starting anyway (--accept-journal-loss); lost ids may run again", lost.what)
 
 
 def _check_safe(path: Path, st: os.stat_result) -> None:
@@ -171,11 +202,13 @@ class Journal:
         records: int,
         size: int,
         *,
+        mark: JournalMark,
         durable: bool,
         compact_every: int,
     ) -> None:
         self.path = path
         self._fd = fd
+        self._mark = mark
         self._state = state
         self._records = records
         self._size = size  # end of the last good record: where a failed write is cut back to
@@ -194,15 +227,25 @@ class Journal:
         compact_every: int = 1024,
         retain_ended: int = RETAIN_ENDED,
         retain_ended_s: float = RETAIN_ENDED_SECONDS,
+        accept_loss: bool = False,
     ) -> tuple[Journal, JournalReplay]:
-        """Open and replay; raises JournalUnsafe or JournalCorrupt (the file untouched)."""
+        """Open and replay; raises JournalUnsafe, JournalCorrupt or JournalLost (the
+        file untouched). `accept_loss`: open a journal that lost records anyway."""
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = state_dir / JOURNAL_FILENAME
+        mark_path = path.with_name(path.name + MARK_SUFFIX)
+        acknowledged: int | None  # None: the mark cannot be read
+        try:
+            sequence, acknowledged = read_mark(mark_path, _check_safe) or (0, 0)
+        except MarkUnreadable:
+            sequence, acknowledged = 0, None
         try:
             _check_safe(path, os.lstat(path))
             created = False
         except FileNotFoundError:
             created = True
+            if not accept_loss:  # refused before anything is created
+                _check_loss(path, 0, mark_path, acknowledged, accept=False)
         flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(path, flags, 0o600)
@@ -218,12 +261,18 @@ class Journal:
             scan = scan_journal(data, state)
             if scan.problem is not None and not scan.torn:
                 raise JournalCorrupt(path, scan.good, scan.problem)
+            _check_loss(path, scan.records, mark_path, acknowledged, accept=accept_loss)
             if scan.torn:
                 drop_torn_tail(path, fd, data, scan)
             elif not data and not created:
                 log.info("journal %s is empty: no reservations to recover", path)
             if created:
                 fsync_dir(state_dir)
+            elif durable and not scan.torn:
+                os.fsync(fd)  # what was read may not be on the disk yet: the mark claims it
+            journal_mark = JournalMark.open(
+                mark_path, scan.records, _check_safe, sequence=sequence, durable=durable
+            )
         except BaseException:
             os.close(fd)
             raise
@@ -241,6 +290,7 @@ class Journal:
             state,
             scan.records,
             scan.good,
+            mark=journal_mark,
             durable=durable,
             compact_every=compact_every,
         )
@@ -283,6 +333,13 @@ class Journal:
         for record, _framed in batch:
             self._state.apply(record)
         self._records += len(batch)
+        try:
+            self._mark.write(self._records)
+        except OSError as exc:
+            # The records are durable and stand; the mark still says fewer (never more).
+            # Not ready until a write (or `recover`) brings the mark up to date.
+            log.error("journal mark %s: %s", self._mark.path, exc)
+            self.write_problem = f"mark write failed: {exc}"
         if self._records >= self._compact_every and self._records > 2 * self._state.size():
             try:
                 self.compact()
@@ -364,6 +421,8 @@ class Journal:
         try:
             write_all(new_fd, b"".join(frame(r) for r in records))
             os.fsync(new_fd)
+            # Lowered before the shorter journal takes the name: never more than it holds.
+            self._mark.write(len(records), sync=True)
             os.replace(tmp, self.path)
         except BaseException:
             os.close(new_fd)
@@ -378,6 +437,7 @@ class Journal:
         fsync_dir(self.path.parent)
 
     def close(self) -> None:
+        self._mark.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

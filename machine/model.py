@@ -166,10 +166,12 @@ class Machine:
         cgroups: Cgroups | None = None,
         journal_timeout: float = 10.0,
         host: tuple[CpuInfo, MemoryInfo] | None = None,
+        accept_journal_loss: bool = False,
     ) -> Machine:
-        """Discover, open and replay the journal, reconcile. Raises JournalError (unsafe
-        journal path) and DiscoveryError (bad mode or sim file); NVML trouble is a
-        readiness reason in `inventory`, not an exception. `host`: see `discover`."""
+        """Discover, open and replay the journal, reconcile. Raises JournalError (unsafe,
+        corrupt or lost journal: `accept_journal_loss` opens one that lost records) and
+        DiscoveryError (bad mode or sim file); NVML trouble is a readiness reason in
+        `inventory`, not an exception. `host`: see `discover`."""
         inventory = await discover(
             devices, sim_file=sim_file, pynvml_module=pynvml_module, host=host
         )
@@ -193,7 +195,8 @@ class Machine:
         ledger_box.append(ledger)
         with trio.fail_after(journal_timeout):
             journal, replay = await trio.to_thread.run_sync(
-                functools.partial(Journal.open, state_dir), abandon_on_cancel=True
+                functools.partial(Journal.open, state_dir, accept_loss=accept_journal_loss),
+                abandon_on_cancel=True,
             )
         for reservation in replay.reservations.values():
             ledger.adopt(reservation)

@@ -187,9 +187,12 @@ def _cmd_serve(inv: Invocation) -> int:
 
 def dev_config(inv: Invocation) -> Config:
     """`dev`'s config: unless told otherwise, guests may write in the folder it was
-    started in (`run` in one's project writes there, as its user would: a trust
-    decision, said at start-up)."""
+    started in (`run` in one's project writes there, as its user would) and a guest
+    that asks for it (`run --network host`) gets the host's network: trust decisions,
+    said at start-up."""
     config = _local_config(inv)
+    if "guest_host_network" not in inv.explicit:
+        config = msgspec.structs.replace(config, guest_host_network=True)
     if "guest_writable_roots" in inv.explicit:
         return config
     return msgspec.structs.replace(config, guest_writable_roots=(os.getcwd(),))

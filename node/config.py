@@ -84,6 +84,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     health_interval: float
     shutdown_grace: float
     state_lock_wait: float
+    accept_journal_loss: bool
     http_read_timeout: float
     http_body_timeout: float
     http_keep_alive: float
@@ -95,6 +96,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guest_run_dir: str
     guest_pids_max: int
     guest_writable_roots: tuple[str, ...]
+    guest_host_network: bool
     logs_max_bytes: int
     logs_total_bytes: int
     logs_retention: float

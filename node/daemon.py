@@ -368,6 +368,7 @@ class Daemon:
                 on_transition=self._on_transition,
                 pynvml_module=self._pynvml,
                 cgroups=None if isinstance(cgroups, CgroupsUnavailable) else cgroups,
+                accept_journal_loss=config.accept_journal_loss,
             )
         except (OSError, ValueError, JournalError) as exc:
             raise StartupError(str(exc)) from exc

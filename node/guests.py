@@ -240,7 +240,13 @@ async def open_guest_setup(
         cgroups=cgroups,
         pids_max=config.guest_pids_max,
         writable_roots=_writable_roots(config, notes),
+        host_network=config.guest_host_network,
     )
+    if config.guest_host_network:
+        notes.append(
+            "guests that ask for it get the host's network, its loopback services and "
+            "other such guests included (--guest-host-network); all others have their own"
+        )
     for note in notes:
         log.warning("%s", note)
     if blocked:

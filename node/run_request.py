@@ -13,7 +13,7 @@ from machine.lanes import Isolation, Requirement
 from node.config import parse_size
 from node.flags import FlagError
 from supervisor.process import InvalidProcessRequest, validate_env
-from supervisor.wire import MAX_TIMEOUT_S, InvocationRequest, ProcessWork, Resources
+from supervisor.wire import MAX_TIMEOUT_S, GuestNetwork, InvocationRequest, ProcessWork, Resources
 
 __all__ = ["build_request", "parse_cpu"]
 
@@ -54,7 +54,7 @@ def _gpus(count: int) -> int:
     return count
 
 
-def _choice(kind: type[Isolation] | type[Requirement]) -> Callable[[str], Any]:
+def _choice(kind: type[Isolation] | type[Requirement] | type[GuestNetwork]) -> Callable[[str], Any]:
     def check(text: str) -> Any:
         if not text and kind is Requirement:
             return None  # not given: decided by what the request asks for (`_requirement`)
@@ -98,6 +98,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "gpus": _gpus,
     "vram": _size,
     "isolation": _choice(Isolation),
+    "network": _choice(GuestNetwork),
     "requirement": _choice(Requirement),
     "env": _env,
     "cwd": _cwd,
@@ -133,7 +134,9 @@ def build_request(options: Mapping[str, Any], argv: list[str], cwd: str) -> Invo
         raise FlagError("; ".join(problems))
     return InvocationRequest(
         id="run-" + secrets.token_hex(8),
-        work=ProcessWork(argv=argv, env=checked["env"], cwd=checked["cwd"] or cwd),
+        work=ProcessWork(
+            argv=argv, env=checked["env"], cwd=checked["cwd"] or cwd, network=checked["network"]
+        ),
         requirement=_requirement(checked),
         resources=Resources(
             cpu_millis=checked["cpu"],

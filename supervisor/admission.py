@@ -10,15 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from machine.lanes import Isolation
 from machine.ledger import RefusalReason, ReservationRefused
 from supervisor.builtins import BuiltinArgumentError, check_builtin
 from supervisor.guests import GuestPolicy
 from supervisor.process import InvalidProcessRequest, validate_argv, validate_env
-from supervisor.wire import INVOCATION_ID, BuiltinWork, InvocationRequest, ProcessWork
+from supervisor.wire import (
+    INVOCATION_ID,
+    BuiltinWork,
+    GuestNetwork,
+    InvocationRequest,
+    ProcessWork,
+)
 
 __all__ = [
     "AdmissionRefused",
     "check_cwd",
+    "check_network",
     "check_request",
     "from_reservation_refusal",
     "id_conflict",
@@ -65,6 +73,8 @@ def check_request(request: InvocationRequest) -> None:
             validate_env(work.env)
             if work.cwd is not None and ("\0" in work.cwd or not work.cwd.startswith("/")):
                 raise InvalidProcessRequest("cwd", "must be an absolute path")
+            if work.network is GuestNetwork.HOST and request.isolation is Isolation.SANDBOX:
+                raise InvalidProcessRequest("network", "a sandbox guest never has the host's")
             # A limit of 0 would mean "no limit": every process gets both enforced.
             if request.resources.cpu_millis < 1 or request.resources.memory_bytes < 1:
                 raise InvalidProcessRequest(
@@ -86,6 +96,19 @@ def check_cwd(guests: GuestPolicy, cwd: str) -> None:
         guests.check_cwd(cwd)
     except InvalidProcessRequest as exc:
         raise AdmissionRefused(422, "invalid_cwd", str(exc), {"field": "cwd"}) from None
+
+
+def check_network(guests: GuestPolicy, work: ProcessWork) -> None:
+    """The host's network only where the operator allows it: 422 `host_network_not_allowed`,
+    before a reservation exists. Every other guest has a network namespace of its own."""
+    if work.network is GuestNetwork.HOST and not guests.host_network:
+        raise AdmissionRefused(
+            422,
+            "host_network_not_allowed",
+            "work.network: this node gives no guest the host's network "
+            "(its operator has not given --guest-host-network)",
+            {"field": "work.network"},
+        )
 
 
 def from_reservation_refusal(refusal: ReservationRefused) -> AdmissionRefused:

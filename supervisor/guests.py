@@ -27,6 +27,7 @@ from supervisor.guest_cwd import SANDBOX_PLACES, Protected, open_cwd
 from supervisor.identity import UidPool
 from supervisor.process import ProcessStuck
 from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
+from supervisor.wire import GuestNetwork
 
 __all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session", "remove_stale_tokens"]
 
@@ -63,6 +64,9 @@ class GuestPolicy:
     # Real paths under which a guest's cwd is bound read-write: host writes no grant
     # bounds, the operator's trust decision. Elsewhere a cwd is read-only.
     writable_roots: tuple[Path, ...] = ()
+    # Whether a guest that asks for it may have the host's network namespace
+    # (`--guest-host-network`); otherwise every guest has its own, loopback only.
+    host_network: bool = False
 
     @classmethod
     def unconfined(cls, state_dir: Path) -> GuestPolicy:
@@ -100,6 +104,8 @@ class GuestSession:
     sandbox: SandboxSpec | None
     env: dict[str, str]
     pids_max: int
+    # What it got: `host` too where it runs unconfined (no sandbox, no namespace).
+    network: GuestNetwork = GuestNetwork.NONE
 
 
 def _token_text(tokens: Sequence[str]) -> bytes:
@@ -156,10 +162,12 @@ def guest_session(
     cwd: str | None,
     node_url: str,
     memory_bytes: int | None = None,
+    network: GuestNetwork = GuestNetwork.NONE,
 ) -> Iterator[GuestSession]:
     """Allocate a uid and a token file for one guest; give both back on exit.
 
-    `memory_bytes` (its grant) sizes its private /tmp."""
+    `memory_bytes` (its grant) sizes its private /tmp; `network` is what its request
+    asked for (admission refused `host` unless the policy allows it)."""
     if policy.refusal is not None:
         raise GuestsRefused(policy.refusal)
     uid = policy.uids.allocate() if policy.uids is not None else None
@@ -170,7 +178,16 @@ def guest_session(
             _token_file(tokens, uid, policy.run_dir) as token_path,
         ):
             yield _session(
-                policy, isolation, lanes, inventory, folder, node_url, uid, token_path, memory_bytes
+                policy,
+                isolation,
+                lanes,
+                inventory,
+                folder,
+                node_url,
+                uid,
+                token_path,
+                memory_bytes,
+                network,
             )
     except ProcessStuck:
         stuck = True  # something still runs under the uid: never hand it to another guest
@@ -206,14 +223,23 @@ def _session(
     uid: int | None,
     token_path: Path,
     memory_bytes: int | None,
+    network: GuestNetwork,
 ) -> GuestSession:
+    """The node's URL is given only to a guest with the host's network: in a namespace of
+    its own the node's loopback address leads nowhere, and its socket is the way."""
     sandboxed = isolation is Isolation.SANDBOX
+    if sandboxed:
+        network = GuestNetwork.NONE  # the class's promise (admission refuses `host`)
+    if policy.bwrap is None:
+        network = GuestNetwork.HOST  # no sandbox, no namespace of its own
     env: dict[str, str] = {"LITEGRAPH_LANE_IDS": ",".join(lane.lane_id for lane in lanes)}
-    if not sandboxed and node_url:
-        env["LITEGRAPH_NODE_URL"] = node_url  # a sandbox has no host network
+    if network is GuestNetwork.HOST and node_url and not sandboxed:
+        env["LITEGRAPH_NODE_URL"] = node_url  # a sandbox guest uses the socket, even unconfined
     if policy.bwrap is None:
         env["LITEGRAPH_CAPABILITY_TOKEN_FILE"] = str(token_path)
-        return GuestSession(uid=uid, sandbox=None, env=env, pids_max=policy.pids_max)
+        return GuestSession(
+            uid=uid, sandbox=None, env=env, pids_max=policy.pids_max, network=network
+        )
     nodes: dict[Path, None] = {}
     if not sandboxed:  # a sandbox guest gets no device node at all
         for lane in lanes:
@@ -227,7 +253,7 @@ def _session(
         env["LITEGRAPH_NODE_SOCKET"] = NODE_SOCKET
     sandbox = SandboxSpec(
         bwrap=policy.bwrap,
-        isolate_network=sandboxed,
+        isolate_network=network is not GuestNetwork.HOST,
         device_nodes=tuple(nodes),
         dev_root=policy.dev_root,
         token_file=token_path,
@@ -238,4 +264,6 @@ def _session(
         masked=policy.secrets(),
         tmp_bytes=memory_bytes,
     )
-    return GuestSession(uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max)
+    return GuestSession(
+        uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max, network=network
+    )

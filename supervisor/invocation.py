@@ -13,6 +13,7 @@ from supervisor.logstore import InvocationLogs
 from supervisor.output import OutputRing
 from supervisor.wire import (
     GrantedLane,
+    GuestNetwork,
     InvocationRequest,
     InvocationState,
     InvocationStatus,
@@ -55,6 +56,7 @@ class Invocation:
         self.exit_code: int | None = None
         self.pid: int | None = None
         self.uid: int | None = None
+        self.network: GuestNetwork | None = None
         self.usage: Usage | None = None
         self.wall_deadline = 0.0  # Unix time its tokens may not outlive (set at admission)
         self.stuck = False  # its process survived SIGKILL: its resources stay held
@@ -151,6 +153,7 @@ class Invocation:
             logs_cut=self.logs.cut if self.logs is not None else None,
             usage=self.usage,
             uid=self.uid,
+            network=self.network,
         )
 
     def submit_response(self) -> SubmitResponse:

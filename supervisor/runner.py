@@ -88,8 +88,9 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
         cwd=work.cwd,
         node_url=sup.node_url,
         memory_bytes=inv.request.resources.memory_bytes,
+        network=work.network,
     ) as guest:
-        inv.uid = guest.uid
+        inv.uid, inv.network = guest.uid, guest.network
         return await run_process(
             process_spec(inv, work, guest),
             stdout=inv.stdout,

@@ -12,11 +12,16 @@ and its pages are charged to the guest's memory cgroup, so what a guest writes
 there is bounded by its grant. The host's folders are read-only, the cwd too
 unless it lies under a root the operator allowed host writes for.
 
-Devices: a `sandbox` guest gets no accelerator device node at all and its own
-network namespace (only loopback); it reaches the node through the node's
-Unix socket, bound at NODE_SOCKET. Other classes get exactly the device nodes
-of their grant (`machine.devnodes`), so what a guest can open is decided
-by what exists in its /dev, not by an environment variable.
+Network: every guest, whatever its class, gets a network namespace of its own
+(only loopback): no host loopback service, no other guest's abstract Unix
+socket, no other host. It reaches the node through the node's Unix socket,
+bound at NODE_SOCKET. Only a guest that asked for the host's network, on a
+node whose operator allows it, keeps the host's namespace.
+
+Devices: a `sandbox` guest gets no accelerator device node at all. Other
+classes get exactly the device nodes of their grant (`machine.devnodes`), so
+what a guest can open is decided by what exists in its /dev, not by an
+environment variable.
 
 Tokens: a host file readable only by the guest's uid (0400 in a 0700 folder),
 bound read-only at TOKEN_FILE; one line per lane in the order of LITEGRAPH_LANE_IDS.
@@ -74,8 +79,9 @@ def find_bwrap(configured: str) -> Path:
 @dataclass(frozen=True)
 class SandboxSpec:
     bwrap: Path
-    # Own network namespace: no host network, only the node's Unix socket.
-    isolate_network: bool
+    # Own network namespace (loopback only; the node through its Unix socket). False
+    # only for a guest given the host's network (asked for, allowed by the operator).
+    isolate_network: bool = True
     # Host device nodes to expose, each at /dev/<its path below dev_root>.
     device_nodes: tuple[Path, ...] = ()
     dev_root: Path = Path("/dev")

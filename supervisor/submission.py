@@ -17,6 +17,7 @@ from machine.model import JOURNAL_RETRY_INTERVAL
 from supervisor.admission import (
     AdmissionRefused,
     check_cwd,
+    check_network,
     check_request,
     from_reservation_refusal,
     id_conflict,
@@ -76,6 +77,8 @@ class Submission:
                 raise AdmissionRefused(503, "guests_unconfinable", state.guests.refusal)
             if isinstance(request.work, ProcessWork) and request.work.cwd is not None:
                 check_cwd(state.guests, request.work.cwd)
+            if isinstance(request.work, ProcessWork):
+                check_network(state.guests, request.work)
         except AdmissionRefused as refused:
             self._announce_refusal(request.id, refused.reason)
             raise

@@ -26,6 +26,7 @@ __all__ = [
     "BuiltinWork",
     "EventKind",
     "GrantedLane",
+    "GuestNetwork",
     "InvocationList",
     "InvocationRequest",
     "InvocationState",
@@ -57,6 +58,14 @@ class InvocationState(StrEnum):
     rejected = "rejected"
 
 
+class GuestNetwork(StrEnum):
+    """A guest's network: `none`, a namespace of its own with loopback only (it reaches
+    the node through its Unix socket), or the `host`'s, where the operator allows it."""
+
+    NONE = "none"
+    HOST = "host"
+
+
 class ProcessWork(
     msgspec.Struct,
     frozen=True,
@@ -70,6 +79,8 @@ class ProcessWork(
         default_factory=dict
     )
     cwd: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+    # `host` is refused (422 host_network_not_allowed) unless --guest-host-network.
+    network: GuestNetwork = GuestNetwork.NONE
 
 
 class BuiltinWork(
@@ -137,6 +148,9 @@ class InvocationStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     usage: Usage | None = None
     # The uid it ran as (its own, from --guest-uids); None for builtins or without a switch.
     uid: int | None = None
+    # The network its guest got (`host` also where guests run unconfined); None for
+    # builtins and before its guest started.
+    network: GuestNetwork | None = None
 
 
 class SubmitResponse(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -33,7 +33,7 @@ def process(argv: list[str], *, invocation_id: str | None = None, **fields: Any)
         "requirement": "cpu",
         "resources": {"cpu_millis": 500, "memory_bytes": 256 * 2**20},
     }
-    for key in ("env", "cwd"):
+    for key in ("env", "cwd", "network"):
         if key in fields:
             body["work"][key] = fields.pop(key)
     body.update(fields)

@@ -1,5 +1,5 @@
 """A guest finds its tokens in a file only it can read and reaches the node through
-its Unix socket (or TCP, where its class has the host network); a token copied out
+its Unix socket (or TCP, where it was given the host network); a token copied out
 of its sandbox is refused from any other uid, on the socket and over TCP alike."""
 
 from __future__ import annotations
@@ -127,11 +127,11 @@ def _held(node: Node, lane: str, invocation_id: str) -> int:
 async def test_a_token_copied_out_of_its_guest_is_refused_over_tcp_from_another_uid(
     tmp_path: pathlib.Path,
 ) -> None:
-    """The report: tenant B's guest (a class with the host network, its own uid)
-    presented A's token on loopback TCP and reserved memory on A's lane as A."""
-    async with confined_node(tmp_path) as node:
+    """The report: tenant B's guest (with the host network, its own uid) presented
+    A's token on loopback TCP and reserved memory on A's lane as A."""
+    async with confined_node(tmp_path, "--guest-host-network") as node:
         lane, token = await _stolen(node)
-        thief = python(STOLEN_OVER_TCP, invocation_id="thief", isolation="shared")
+        thief = python(STOLEN_OVER_TCP, invocation_id="thief", isolation="shared", network="host")
         thief["work"]["argv"] += [lane, token, node.url]
         ended = await run_to_end(node, thief)
         assert ended["state"] == "succeeded", ended
@@ -159,8 +159,8 @@ async def test_a_guests_token_over_tcp_is_refused_from_the_node_hosts_root_too(
 async def test_a_guest_with_the_host_network_uses_its_own_token_over_tcp(
     tmp_path: pathlib.Path,
 ) -> None:
-    async with confined_node(tmp_path) as node:
-        body = python(OWN_OVER_TCP, invocation_id="own-tcp", requirement="gpu")
+    async with confined_node(tmp_path, "--guest-host-network") as node:
+        body = python(OWN_OVER_TCP, invocation_id="own-tcp", requirement="gpu", network="host")
         body["resources"] = {**body["resources"], "gpus": 1, "vram_bytes": 2**30}
         ended = await run_to_end(node, body)
         assert ended["state"] == "succeeded", ended

@@ -12,7 +12,15 @@ import time
 import httpx
 import psutil
 
-from tests.helpers import clean_env, guest_cwd, node_command, spawned, stop, wait_for_line
+from tests.helpers import (
+    clean_env,
+    guest_cwd,
+    node_command,
+    rest_of_stderr,
+    spawned,
+    stop,
+    wait_for_line,
+)
 
 LISTENING = r"listening on (http://\S+)"
 
@@ -259,3 +267,49 @@ def test_history_is_listed_and_readable_after_a_clean_stop_and_after_a_crash(
             assert listed[0]["ended_at"] is not None
             assert listed[1:] == [_kept(ended[str(s["id"])]) for s in listed[1:]]
         assert stop(third, signal.SIGTERM) == 0
+
+
+def test_a_journal_emptied_after_acknowledged_work_stops_start_up_unless_accepted(
+    tmp_path: pathlib.Path,
+) -> None:
+    env = clean_env()
+    body = {
+        "id": "ran-once",
+        "work": {"kind": "process", "argv": ["sh", "-c", "echo hi"]},
+        "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
+    }
+    with spawned(_serve(tmp_path), env) as first:
+        url, operator = _ready(first, tmp_path)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            assert client.post("/v1/invocations", json=body).status_code == 202
+            _wait_ended(client, "ran-once")
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+    journal = tmp_path / "reservations.journal"
+    journal.write_bytes(b"")  # lost: the id that ran would be forgotten and run again
+
+    refused = subprocess.run(
+        _serve(tmp_path), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert refused.returncode == 1, refused.stderr
+    assert "Traceback" not in refused.stderr, refused.stderr
+    (line,) = [x for x in refused.stderr.splitlines() if "cannot start" in x]
+    prefix = (
+        f"litegraph-node: cannot start: journal {journal} holds 0 records, {journal}.mark says "
+    )
+    assert line.startswith(prefix), line
+    acknowledged = int(line.removeprefix(prefix).split()[0])
+    assert acknowledged >= 3  # reserve, then its ending: release, process_ended, ended
+    assert line.endswith(" were acknowledged; --accept-journal-loss to start anyway"), line
+    assert journal.read_bytes() == b""
+
+    with spawned([*_serve(tmp_path), "--accept-journal-loss"], env) as accepted:
+        url = wait_for_line(accepted, LISTENING)
+        with httpx.Client(base_url=url, headers=operator, timeout=10) as client:
+            _wait_ready(client)
+        assert stop(accepted, signal.SIGTERM) == 0
+        lines = rest_of_stderr(accepted)
+    assert any(
+        "--accept-journal-loss" in x and f"says {acknowledged} were acknowledged" in x
+        for x in lines
+    ), lines

@@ -21,7 +21,10 @@ from machine.journal import (
     JournalCorrupt,
     JournalError,
     JournalUnsafe,
+    Record,
+    ReserveRecord,
     UnsafeReason,
+    frame,
 )
 from machine.lanes import Isolation, LaneKind, Requirement
 from machine.ledger import LaneGrant, Reservation
@@ -64,15 +67,24 @@ def test_round_trip_and_mode(tmp_path: Path) -> None:
     assert replay.problem is None
 
 
+def unacknowledged(state_dir: Path, *records: Record) -> None:
+    """Append records as a daemon killed mid-write left them: never acknowledged, so
+    beyond the journal's mark (a crash can tear only these)."""
+    with (state_dir / JOURNAL_FILENAME).open("ab") as file:
+        file.write(b"".join(frame(r) for r in records))
+
+
 def test_torn_tail_is_recovered(tmp_path: Path) -> None:
     journal, _ = Journal.open(tmp_path)
     journal.record_reserve(reservation("a"))
-    journal.record_reserve(reservation("b"))
     journal.close()
+    unacknowledged(tmp_path, ReserveRecord(reservation=reservation("b")))
     path = tmp_path / JOURNAL_FILENAME
-    whole = path.read_bytes()
+    mark = tmp_path / (JOURNAL_FILENAME + ".mark")
+    whole, acknowledged = path.read_bytes(), mark.read_bytes()
     for cut in range(len(whole) - 1, len(whole) // 2, -7):
         path.write_bytes(whole[:cut])
+        mark.write_bytes(acknowledged)  # as the crash left it: "a" acknowledged
         journal, replay = Journal.open(tmp_path)
         assert set(replay.reservations) == {"a"}
         assert replay.problem in ("torn_header", "torn_record")
@@ -84,10 +96,12 @@ def test_torn_tail_is_recovered(tmp_path: Path) -> None:
 
 
 def _three_records(tmp_path: Path) -> tuple[Path, bytes, int]:
+    """Two acknowledged records and a third a crash cut short of acknowledging."""
     journal, _ = Journal.open(tmp_path)
-    for rid in "abc":
+    for rid in "ab":
         journal.record_reserve(reservation(rid))
     journal.close()
+    unacknowledged(tmp_path, ReserveRecord(reservation=reservation("c")))
     path = tmp_path / JOURNAL_FILENAME
     data = path.read_bytes()
     return path, data, len(data) // 3

@@ -127,3 +127,18 @@ def test_dev_lets_guests_write_where_it_started_unless_told(
 def test_environment_reaches_config() -> None:
     config = config_from([], {"LITEGRAPH_NODE_RESERVED_MEMORY": "2GiB"})
     assert config.reserved_memory == 2 * 2**30
+
+
+def test_only_dev_gives_guests_the_host_network_they_ask_for_unless_told(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert config_from([]).guest_host_network is False  # serve: every guest has its own
+    assert config_from(["--guest-host-network"]).guest_host_network is True
+    monkeypatch.chdir(tmp_path)
+    table = load_flag_table()
+
+    def dev(argv: list[str]) -> Config:
+        return dev_config(Invocation(table, parse_argv(table, ["dev", *argv], {}, tuple(COMMANDS))))
+
+    assert dev([]).guest_host_network is True
+    assert dev(["--no-guest-host-network"]).guest_host_network is False

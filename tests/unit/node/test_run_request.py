@@ -9,6 +9,7 @@ import pytest
 from machine.lanes import Requirement
 from node.flags import FlagError
 from node.run_request import build_request
+from supervisor.wire import GuestNetwork, ProcessWork
 
 DEFAULTS: dict[str, Any] = {
     "cpu": "1",
@@ -20,6 +21,7 @@ DEFAULTS: dict[str, Any] = {
     "env": [],
     "cwd": "",
     "timeout": 3600.0,
+    "network": "none",
 }
 
 
@@ -51,3 +53,15 @@ def test_no_device_asked_for_is_auto_and_an_explicit_choice_is_kept() -> None:
 def test_a_bad_requirement_is_named() -> None:
     with pytest.raises(FlagError, match="--requirement: expected one of"):
         requirement_of(requirement="tpu")
+
+
+def test_run_asks_for_its_own_network_unless_told_host() -> None:
+    def network_of(**options: Any) -> GuestNetwork:
+        work = build_request({**DEFAULTS, **options}, ["true"], "/srv").work
+        assert isinstance(work, ProcessWork)
+        return work.network
+
+    assert network_of() is GuestNetwork.NONE
+    assert network_of(network="host") is GuestNetwork.HOST
+    with pytest.raises(FlagError, match="--network: expected one of none, host"):
+        network_of(network="bridge")

@@ -14,8 +14,10 @@ import trio.testing
 
 from machine.lanes import Isolation, Requirement
 from supervisor.admission import AdmissionRefused
+from supervisor.guests import GuestPolicy
 from supervisor.wire import (
     EventKind,
+    GuestNetwork,
     InvocationRequest,
     InvocationState,
     ProcessWork,
@@ -209,6 +211,12 @@ def _process(**work: Any) -> InvocationRequest:
         _process(argv=["sh"], env={"1BAD": "x"}),
         _process(argv=["sh"], env={"A": "v\x00"}),
         _process(argv=["sh"], cwd="relative/dir"),
+        InvocationRequest(
+            id="bad",
+            work=ProcessWork(argv=["sh"], network=GuestNetwork.HOST),
+            requirement=Requirement.CPU,
+            isolation=Isolation.SANDBOX,
+        ),
         builtin("bad", "nope"),
         builtin("bad", "sleep", seconds=-1),
         builtin("bad", "sleep", seconds="soon"),
@@ -246,6 +254,24 @@ async def test_a_cwd_that_would_cover_the_sandbox_or_reach_the_state_is_422_inva
         assert reason in str(refusal) and refusal.details == {"field": "cwd"}
         with pytest.raises(KeyError):
             rig.sup.get("bad")
+
+
+async def test_a_request_for_the_host_network_is_refused_unless_the_operator_allows_it(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    host = _process(argv=["true"], network=GuestNetwork.HOST)
+    async with open_rig(tmp_path / "serve") as rig:
+        refusal = await refused(rig, host)
+        assert (refusal.status, refusal.reason) == (422, "host_network_not_allowed")
+        assert "--guest-host-network" in str(refusal)
+        assert refusal.details == {"field": "work.network"}
+        with pytest.raises(KeyError):
+            rig.sup.get("bad")
+    allowed = GuestPolicy(bwrap=None, uids=None, state_dir=tmp_path, host_network=True)
+    async with open_rig(tmp_path / "allowed", guests=allowed) as rig:
+        await rig.sup.submit(host)
+        await rig.wait_state("bad", S.succeeded)
+        assert rig.sup.get("bad").network is GuestNetwork.HOST
 
 
 @pytest.mark.parametrize(
