@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import re
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # What `_token_file` names its files: nothing else in the run dir is touched.
 _TOKEN_NAME = re.compile(r"guest-[0-9a-f]{32}\.tokens")
+# A tokens memfd can change no more once written: not its bytes, not its size.
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 class GuestsRefused(RuntimeError):
@@ -138,6 +141,21 @@ def _token_file(tokens: Sequence[str], uid: int | None, where: Path | None) -> I
             path.unlink()
 
 
+@contextlib.contextmanager
+def _token_data(tokens: Sequence[str]) -> Iterator[int]:
+    """The tokens in a sealed memfd, for bubblewrap to copy into the guest's own mount
+    namespace (`--ro-bind-data`): they never lie at a host path another process of
+    the same uid (every guest in `dev`) could open, and no command line names one."""
+    fd = os.memfd_create("litegraph-tokens", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, _token_text(tokens))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def remove_stale_tokens(folder: Path) -> int:
     """Remove the token files in `folder` (the daemon's own run dir) at start-up: those a
     killed daemon left belong to uids it hands out again. Returns how many went."""
@@ -172,11 +190,13 @@ def guest_session(
         raise GuestsRefused(policy.refusal)
     uid = policy.uids.allocate() if policy.uids is not None else None
     stuck = False
+    # A sandboxed guest's tokens reach it through a descriptor; an unconfined one's
+    # through a file of its uid's in the run dir.
+    delivery: contextlib.AbstractContextManager[Path | int] = (
+        _token_file(tokens, uid, policy.run_dir) if policy.bwrap is None else _token_data(tokens)
+    )
     try:
-        with (
-            _opened_cwd(policy, cwd, uid) as folder,
-            _token_file(tokens, uid, policy.run_dir) as token_path,
-        ):
+        with _opened_cwd(policy, cwd, uid) as folder, delivery as token_path:
             yield _session(
                 policy,
                 isolation,
@@ -221,7 +241,7 @@ def _session(
     folder: tuple[int, Path] | None,
     node_url: str,
     uid: int | None,
-    token_path: Path,
+    token_path: Path | int,
     memory_bytes: int | None,
     network: GuestNetwork,
 ) -> GuestSession:
@@ -236,6 +256,7 @@ def _session(
     if network is GuestNetwork.HOST and node_url and not sandboxed:
         env["LITEGRAPH_NODE_URL"] = node_url  # a sandbox guest uses the socket, even unconfined
     if policy.bwrap is None:
+        assert isinstance(token_path, Path)
         env["LITEGRAPH_CAPABILITY_TOKEN_FILE"] = str(token_path)
         return GuestSession(
             uid=uid, sandbox=None, env=env, pids_max=policy.pids_max, network=network
@@ -256,7 +277,7 @@ def _session(
         isolate_network=network is not GuestNetwork.HOST,
         device_nodes=tuple(nodes),
         dev_root=policy.dev_root,
-        token_file=token_path,
+        token_fd=token_path if isinstance(token_path, int) else None,
         node_socket=policy.node_socket,
         cwd=None if folder is None else str(folder[1]),
         cwd_fd=None if folder is None else folder[0],

@@ -188,10 +188,14 @@ def plan(
         hook = _preexec(affinity, rlimit_as, join() if join else None, uid)
         return Launch([*GATE_SHELL, *argv], dict(env), preexec_fn=hook)
     setpriv = find_setpriv() if uid is not None else None
-    # The launch's own copy of the cwd's descriptor, closed with it; the caller's stays.
-    fds = () if sandbox.cwd_fd is None else (os.dup(sandbox.cwd_fd),)
-    sandbox = dataclasses.replace(sandbox, cwd_fd=fds[0] if fds else None)
+    # The launch's own copies of the cwd's and the tokens' descriptors, closed with it;
+    # the caller's stay.
+    cwd_fd = None if sandbox.cwd_fd is None else os.dup(sandbox.cwd_fd)
+    fds: tuple[int, ...] = () if cwd_fd is None else (cwd_fd,)
     try:
+        token_fd = None if sandbox.token_fd is None else os.dup(sandbox.token_fd)
+        fds += () if token_fd is None else (token_fd,)
+        sandbox = dataclasses.replace(sandbox, cwd_fd=cwd_fd, token_fd=token_fd)
         if (uid is None or setpriv is not None) and bwrap_takes_env(sandbox.bwrap):
             drop = [] if setpriv is None or uid is None else uid_drop(setpriv, uid)
             env_fd = _env_fd(env)

@@ -23,8 +23,9 @@ classes get exactly the device nodes of their grant (`machine.devnodes`), so
 what a guest can open is decided by what exists in its /dev, not by an
 environment variable.
 
-Tokens: a host file readable only by the guest's uid (0400 in a 0700 folder),
-bound read-only at TOKEN_FILE; one line per lane in the order of LITEGRAPH_LANE_IDS.
+Tokens: copied by bwrap from a sealed memfd into the sandbox's own mount
+namespace at TOKEN_FILE (0400, read-only): never at a host path; one line per
+lane in the order of LITEGRAPH_LANE_IDS.
 
 The cwd: a host folder the daemon opened and checked, bound (read-only unless
 writable) from that descriptor (`/proc/self/fd/N`) at its real path, never by a
@@ -86,7 +87,9 @@ class SandboxSpec:
     device_nodes: tuple[Path, ...] = ()
     dev_root: Path = Path("/dev")
     # The host file holding the guest's tokens (readable only by its uid).
-    token_file: Path | None = None
+    # A sealed memfd holding the guest's tokens, copied by bwrap into the sandbox at
+    # TOKEN_FILE (0400): no host path, nothing a command line names.
+    token_fd: int | None = None
     # The node API's Unix socket on the host, bound at NODE_SOCKET.
     node_socket: Path | None = None
     # A host folder to bind and run in (where it really is); None runs in /tmp.
@@ -153,8 +156,8 @@ def bwrap_argv(
     for node in spec.device_nodes:
         # After --dev: bind the host node over the minimal /dev.
         args += ["--dev-bind", str(node), _device_target(node, spec.dev_root)]
-    if spec.token_file is not None:
-        args += ["--ro-bind", str(spec.token_file), TOKEN_FILE]
+    if spec.token_fd is not None:
+        args += ["--perms", "0400", "--ro-bind-data", str(spec.token_fd), TOKEN_FILE]
     if spec.node_socket is not None:
         args += ["--bind", str(spec.node_socket), NODE_SOCKET]
     bound = [Path(folder) for folder in _SYSTEM_DIRS]

@@ -62,11 +62,11 @@ def test_the_sandbox_unshares_namespaces_and_dies_with_its_parent(tmp_path: path
 
 
 def test_tokens_socket_and_devices_are_bound_where_the_guest_looks(tmp_path: pathlib.Path) -> None:
-    tokens, sock = tmp_path / "tokens", tmp_path / "node.sock"
+    sock = tmp_path / "node.sock"
     argv = bwrap_argv(
         _spec(
             tmp_path,
-            token_file=tokens,
+            token_fd=9,
             node_socket=sock,
             device_nodes=(tmp_path / "nvidia1", tmp_path / "nvidia-caps" / "nvidia-cap3"),
             dev_root=tmp_path,
@@ -74,7 +74,8 @@ def test_tokens_socket_and_devices_are_bound_where_the_guest_looks(tmp_path: pat
         ["true"],
     )
     text = " ".join(argv)
-    assert f"--ro-bind {tokens} {TOKEN_FILE}" in text
+    # Copied in from the descriptor: no host path on the command line.
+    assert f"--perms 0400 --ro-bind-data 9 {TOKEN_FILE}" in text
     assert f"--bind {sock} {NODE_SOCKET}" in text
     assert f"--dev-bind {tmp_path}/nvidia1 /dev/nvidia1" in text
     assert f"--dev-bind {tmp_path}/nvidia-caps/nvidia-cap3 /dev/nvidia-caps/nvidia-cap3" in text
