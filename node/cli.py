@@ -300,6 +300,8 @@ def _cmd_contracts(inv: Invocation) -> int:
         problems = check_contracts()
         for line in problems:
             print(f"{PROG} contracts: {line}", file=sys.stderr)
+        if not problems:
+            print(f"{PROG} contracts: api/contracts/ matches the types")
         return 1 if problems else 0
     for name in write_contracts():
         print(f"wrote api/contracts/{name}")
@@ -364,7 +366,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return 0
         inv = Invocation(table, parsed)
         if inv.command is None:
-            raise FlagError(f"missing command (one of: {', '.join(COMMANDS)})")
+            known = ", ".join(COMMANDS)
+            if inv.positional:  # a word that names no command: say which
+                raise FlagError(f"unknown command {inv.positional[0]!r} (one of: {known})")
+            raise FlagError(f"missing command (one of: {known})")
         _check_positional(inv)
         if inv.command in DISCOVERS:
             check_option_files(inv.config)

@@ -48,6 +48,24 @@ def test_unknown_flag_exits_2_with_one_line_naming_it() -> None:
     ]
 
 
+def test_an_unknown_command_is_named_and_a_missing_one_said_missing() -> None:
+    """The report: `litegraph-node frobnicate` said "missing command"."""
+    unknown = run("frobnicate")
+    assert unknown.returncode == 2
+    (line,) = unknown.stderr.strip().splitlines()
+    assert line.startswith("litegraph-node: error: unknown command 'frobnicate' (one of: serve")
+    missing = run()
+    assert missing.returncode == 2
+    assert "missing command (one of: serve" in missing.stderr
+
+
+def test_contracts_check_says_so_when_they_match() -> None:
+    """The report: `contracts --check` was silent on success."""
+    result = run("contracts", "--check")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "litegraph-node contracts: api/contracts/ matches the types"
+
+
 def test_invalid_env_value_exits_2_naming_flag() -> None:
     result = run("serve", LITEGRAPH_NODE_MAX_RUNNING="lots")
     assert result.returncode == 2
