@@ -128,6 +128,7 @@ class Endings:
         self.revoke(inv)  # first: none of its queued lane work runs any more
         owners = charges.owners_holding(inv)
         if inv.logs is None and not owners and not charges.holds(inv.id):
+            charges.forget(inv.id)  # a guest's cgroup, or none: nothing to await
             # Only the journal is awaited, and its commit is shielded and bounded by the
             # journal's own deadline: no cancel scope of ours is needed around it.
             return await self._release(inv, state, ended_at)

@@ -169,7 +169,14 @@ class LaneCharges:
 
     # -- its ending -----------------------------------------------------------------
     def holds(self, invocation_id: str) -> bool:
-        return invocation_id in self._charges
+        """Whether its ending has a cgroup of ours to end (`release` must be awaited);
+        otherwise `forget` is enough, and the ending stays on its fast path."""
+        charge = self._charges.get(invocation_id)
+        return charge is not None and charge.owned and charge.cgroup is not None
+
+    def forget(self, invocation_id: str) -> None:
+        """Its ending, with nothing to end here (a guest's cgroup is its process's)."""
+        self._charges.pop(invocation_id, None)
 
     async def release(self, invocation_id: str) -> None:
         """After its sessions have ended: a cgroup made for its lane work alone is

@@ -188,7 +188,8 @@ class LaneSession:
             if isinstance(exc, LaneHostFailed):
                 code = self._failed_as or _failure_code(exc, None)
                 message = f"{exc.reason}: {exc.message}"
-                if await self._oom_killed():
+                # (A request it failed under has read the cgroup already.)
+                if self._failed_as is None and await self._oom_killed():
                     code, message = "out_of_memory", f"out of memory in its cgroup ({message})"
             else:  # a fault of ours: it ends this session only, never the owner
                 log.exception(

@@ -62,6 +62,24 @@ def _cgroups_of(pid: int) -> list[str]:
     return pathlib.Path(f"/proc/{pid}/cgroup").read_text().splitlines()
 
 
+def _cgroup_dirs(pid: int, name: str) -> list[pathlib.Path]:
+    """The v1 controller directories named `name` that process `pid` is in."""
+    found = []
+    for line in _cgroups_of(pid):
+        _, controllers, path = line.split(":", 2)
+        first = controllers.split(",")[0]
+        if first and "=" not in first and path.endswith(f"/{name}"):
+            found.append(pathlib.Path("/sys/fs/cgroup", first, path.lstrip("/")))
+    return found
+
+
+def _charges(node: Node) -> dict[str, object]:
+    """What the node still keeps of invocations' lane charges."""
+    sup = node.daemon.supervisor
+    assert sup is not None
+    return dict(sup._state.charges._charges)
+
+
 async def _session_host(node: Node, invocation_id: str) -> LaneHost:
     sup = node.daemon.supervisor
     assert sup is not None
@@ -100,6 +118,7 @@ async def test_a_guests_lane_work_runs_within_its_own_cpu_quota_and_is_in_its_us
                 await trio.sleep(0.1)
         assert found["state"] == "succeeded", found
         assert "MATMULS" in found["stdout_tail"]
+        assert _charges(node) == {}  # nothing kept of it once it ended
         # Unconfined, the host ran a CPU or more the whole time; in the quota, about 0.1.
         assert used / wall < 0.35, (used, wall)
         usage: dict[str, Any] = found["usage"]
@@ -139,15 +158,16 @@ async def test_a_builtins_lane_work_is_charged_to_a_cgroup_of_its_own(
         a, b, out = [(await work(**reserve))["buffer_id"] for _ in range(3)]
         host = await _session_host(node, "builtin-charged")
         assert host.pid is not None
-        assert [
-            line for line in _cgroups_of(host.pid) if line.endswith("/litegraph-builtin-charged")
-        ]
+        made = _cgroup_dirs(host.pid, "litegraph-builtin-charged")
+        assert made and all(path.is_dir() for path in made), made
         await work(op="execute", kernel="matmul", buffers={"a": a, "b": b, "out": out})
         used = _cpu_seconds(host.pid)
         reply = await node.client.delete("/v1/invocations/builtin-charged", headers=node.op)
         assert reply.status_code == 200, reply.text
         usage = reply.json()["usage"]
         assert usage is not None and usage["cpu_seconds"] >= used > 0, (usage, used)
+        assert _charges(node) == {}
+        assert [path for path in made if path.exists()] == []  # its cgroup removed
 
 
 async def test_a_lane_host_that_exhausts_its_invocations_memory_ends_it_out_of_memory(
