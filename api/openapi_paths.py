@@ -254,8 +254,9 @@ def openapi_paths(ref: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[
                 " `follow=1` it stays open and carries each byte as it is written, and ends"
                 " once the invocation's output is complete and every byte was sent. Kept"
                 " after the end (and across restarts) for `--logs-retention` seconds, within"
-                " `--logs-max-bytes` per invocation and `--logs-total-bytes` in all; the"
-                " status's `logs_cut` says why bytes are missing. 404 `logs_unavailable`:"
+                " `--logs-max-bytes` per invocation and `--logs-total-bytes` in all, and"
+                " above `--state-min-free` of free disk; the status's `logs_cut` says why"
+                " bytes are missing. 404 `logs_unavailable`:"
                 " the invocation is known but its logs are not kept."
             ),
             "parameters": [

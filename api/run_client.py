@@ -13,7 +13,7 @@ import httpx
 import msgspec
 import trio
 
-from api.errors import error_text
+from api.errors import ErrorEnvelope, error_text
 from supervisor.wire import (
     InvocationRequest,
     InvocationState,
@@ -51,6 +51,22 @@ class OutputClosed(Exception):
 
 def _error_text(reply: httpx.Response) -> str:
     return error_text(reply.content)
+
+
+# After a refused cwd: `run` sent its current folder unless told otherwise.
+CWD_HINT = (
+    "litegraph-node run: the process starts in the folder run sends, the current one "
+    "unless --cwd DIR names another; --cwd none sends none, and it starts in its "
+    "private /tmp (a node allows a cwd only under its --guest-cwd-roots; dev: the "
+    "folder it was started in)"
+)
+
+
+def _error_code(reply: httpx.Response) -> str | None:
+    try:
+        return msgspec.json.decode(reply.content, type=ErrorEnvelope).error.code
+    except msgspec.DecodeError:
+        return None
 
 
 def _say(err: BinaryIO, line: str) -> None:
@@ -125,6 +141,8 @@ async def follow_command(
         reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
         if reply.status_code != 202:
             _say(err, f"litegraph-node run: refused ({reply.status_code}) {_error_text(reply)}")
+            if _error_code(reply) == "invalid_cwd":
+                _say(err, CWD_HINT)
             return 1
         _say(err, f"{invocation_id}: submitted")
         try:

@@ -98,16 +98,18 @@ def _settled_heap() -> Iterator[None]:
         gc.set_threshold(*threshold)
 
 
-async def _in_process(state_dir: pathlib.Path) -> tuple[float, float, float]:
+async def in_process(
+    state_dir: pathlib.Path, *, count: int = IN_PROCESS_N, prefix: str = "n"
+) -> tuple[float, float, float]:
     """(invocations/s, invocations per journal fsync, CPU seconds per invocation) with
-    CLIENTS concurrent clients."""
+    CLIENTS concurrent clients, `count` no-op invocations named `<prefix><n>`."""
     async with supervisor(state_dir, limit=4 * CLIENTS) as sup:
-        names = iter(range(IN_PROCESS_N))
+        names = iter(range(count))
 
         async def client() -> None:
             for n in names:
-                await sup.submit(request(f"n{n}"))
-                ended = sup.until_ended(f"n{n}")
+                await sup.submit(request(f"{prefix}{n}"))
+                ended = sup.until_ended(f"{prefix}{n}")
                 if ended is not None:
                     await ended.wait()
 
@@ -120,7 +122,7 @@ async def _in_process(state_dir: pathlib.Path) -> tuple[float, float, float]:
                     nursery.start_soon(client)
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         fsyncs = group.batches - batches
-    return IN_PROCESS_N / elapsed, IN_PROCESS_N / max(1, fsyncs), cpu / IN_PROCESS_N
+    return count / elapsed, count / max(1, fsyncs), cpu / count
 
 
 async def _bare() -> float:
@@ -394,9 +396,9 @@ def run() -> list[Finding]:
     disk_fsync = [fsync_rate(None) for _ in range(3)]
     shm_fsync = [fsync_rate(SHM) for _ in range(3)]
     bare = [trio.run(_bare) for _ in range(REPEATS)]
-    _in_dir(None, _in_process)  # warm-up
-    disk = [_in_dir(None, _in_process) for _ in range(REPEATS)]
-    shm = [_in_dir(SHM, _in_process) for _ in range(REPEATS)]
+    _in_dir(None, in_process)  # warm-up
+    disk = [_in_dir(None, in_process) for _ in range(REPEATS)]
+    shm = [_in_dir(SHM, in_process) for _ in range(REPEATS)]
     disk_rate = [r for r, _, _ in disk]
     shm_rate = [r for r, _, _ in shm]
     per_fsync = [p for _, p, _ in disk]

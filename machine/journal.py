@@ -4,11 +4,13 @@ Each record is framed as 4-byte big-endian length, 4-byte CRC32 of the payload, 
 the msgpack payload (a tagged msgspec Struct). Compaction rewrites the live state to a
 temp file, fsyncs it and renames it over the log (atomic).
 
-Besides reservations and processes, the live state remembers ended
-invocations (`EndedRecord`: the id, a digest of the request, and the outcome,
-opaque here), so an id is not run twice across a restart. It keeps the newest
-`retain_ended` (4,096) ended in the last `retain_ended_s` (24 h, by wall
-clock); older ones are forgotten on compaction and are not reported.
+Besides reservations and processes, the journal remembers ended invocations
+(`EndedRecord`: the id, a digest of the request, and the outcome, opaque here),
+so an id never runs twice inside the idempotency window (`window_s`, 24 h of
+the node's running time) whatever the rate: the journal holds an ending until
+a compaction has moved it, durably, into the index of ended invocations
+(`ended_index.py`, SQLite), which keeps it for the window, up to `max_ids`.
+`ended(id)` answers from both; `room()` says how many more ids fit.
 
 Writing. An append is one frame, or a batch of frames joined into one write
 (group commit), written and fsynced once; only then is it applied to the
@@ -52,15 +54,27 @@ appends, compacts and re-exports the records.
 from __future__ import annotations
 
 import contextlib
-import enum
+import errno
 import logging
 import os
-import stat
-from collections.abc import Sequence
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
 
+from machine.disk_reserve import RESERVE_BYTES, RESERVE_SUFFIX, DiskReserve
+from machine.ended_index import MAX_IDS, WINDOW_S, EndedIndex, IndexUnusable
+from machine.journal_errors import (
+    JournalCorrupt,
+    JournalError,
+    JournalLost,
+    JournalUnsafe,
+    UnsafeReason,
+    check_loss,
+    check_safe,
+)
 from machine.journal_mark import MARK_SUFFIX, JournalMark, MarkUnreadable, read_mark
 from machine.journal_records import (
     EndedRecord,
@@ -83,9 +97,11 @@ from machine.ledger import Reservation
 
 __all__ = [
     "JOURNAL_FILENAME",
-    "RETAIN_ENDED",
-    "RETAIN_ENDED_SECONDS",
+    "LISTED_ENDED",
+    "MAX_IDS",
+    "WINDOW_S",
     "EndedRecord",
+    "IndexUnusable",
     "Journal",
     "JournalCorrupt",
     "JournalError",
@@ -100,14 +116,14 @@ __all__ = [
     "ReserveRecord",
     "UnsafeReason",
     "frame",
+    "release_reserve",
 ]
 
 log = logging.getLogger(__name__)
 
 JOURNAL_FILENAME = "reservations.journal"
-# Ended invocations remembered (newest first), and for how long.
-RETAIN_ENDED = 4096
-RETAIN_ENDED_SECONDS = 24 * 3600.0
+# The newest ended invocations the replay hands over to be listed.
+LISTED_ENDED = 4096
 
 
 class JournalReplay(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,78 +132,17 @@ class JournalReplay(msgspec.Struct, frozen=True, kw_only=True):
     reservations: dict[str, Reservation]
     # Processes recorded as started and not as ended, keyed by pid.
     processes: dict[int, ProcessRecord]
-    # Invocations that ended within the retention window, oldest first.
+    # The newest `listed` invocations that ended inside the window, oldest first.
     ended: dict[str, EndedRecord] = msgspec.field(default_factory=dict)
     records: int
     dropped_bytes: int = 0
     problem: str | None = None  # why a torn tail was dropped, if one was
 
 
-class JournalError(Exception):
-    """Base of the journal's errors (local fault: the state dir is not usable)."""
-
-
-class UnsafeReason(enum.StrEnum):
-    SYMLINK = "symlink"
-    NOT_REGULAR_FILE = "not_regular_file"
-    WRONG_OWNER = "wrong_owner"
-    OPEN_PERMISSIONS = "open_permissions"
-
-
-class JournalUnsafe(JournalError):
-    def __init__(self, reason: UnsafeReason, path: Path) -> None:
-        self.reason = reason
-        self.path = path
-        super().__init__(f"{reason.value}: refusing journal at {path}")
-
-
-class JournalCorrupt(JournalError):
-    """The journal is damaged where a crash cannot damage it: nothing is dropped."""
-
-    def __init__(self, path: Path, offset: int, problem: str) -> None:
-        self.path = path
-        self.offset = offset
-        self.problem = problem
-        super().__init__(
-            f"journal {path} is corrupt at byte {offset} ({problem}); the file is left "
-            "as it was: inspect it, or move it aside and start with --accept-journal-loss"
-        )
-
-
-class JournalLost(JournalError):
-    """The journal holds fewer records than it acknowledged: something cut it."""
-
-    def __init__(self, path: Path, held: int, mark: Path, acknowledged: int | None) -> None:
-        self.path = path
-        self.held = held
-        self.mark = mark
-        self.acknowledged = acknowledged
-        said = "is unreadable" if acknowledged is None else f"says {acknowledged} were acknowledged"
-        self.what = f"journal {path} holds {held} records, {mark} {said}"
-        super().__init__(f"{self.what}; --accept-journal-loss to start anyway")
-
-
-def _check_loss(
-    path: Path, held: int, mark: Path, acknowledged: int | None, *, accept: bool
-) -> None:
-    """Refuse a journal holding fewer records than its mark says it acknowledged."""
-    if acknowledged is not None and held >= acknowledged:
-        return
-    lost = JournalLost(path, held, mark, acknowledged)
-    if not accept:
-        raise lost
-    log.warning("%s: starting anyway (--accept-journal-loss); lost ids may run again", lost.what)
-
-
-def _check_safe(path: Path, st: os.stat_result) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        raise JournalUnsafe(UnsafeReason.SYMLINK, path)
-    if not stat.S_ISREG(st.st_mode):
-        raise JournalUnsafe(UnsafeReason.NOT_REGULAR_FILE, path)
-    if st.st_uid != os.geteuid():
-        raise JournalUnsafe(UnsafeReason.WRONG_OWNER, path)
-    if st.st_mode & 0o077:
-        raise JournalUnsafe(UnsafeReason.OPEN_PERMISSIONS, path)
+def release_reserve(state_dir: Path) -> bool:
+    """Give the room kept for the journal back to the disk (a restart: its own start-up
+    files may need it; the journal takes it again on open, or once the disk has it)."""
+    return DiskReserve(state_dir / (JOURNAL_FILENAME + RESERVE_SUFFIX)).release()
 
 
 class Journal:
@@ -202,12 +157,16 @@ class Journal:
         records: int,
         size: int,
         *,
+        index: EndedIndex,
+        reserve: DiskReserve,
         mark: JournalMark,
         durable: bool,
         compact_every: int,
     ) -> None:
         self.path = path
         self._fd = fd
+        self.index = index
+        self._reserve = reserve
         self._mark = mark
         self._state = state
         self._records = records
@@ -217,6 +176,9 @@ class Journal:
         # Why the last write failed, until one succeeds (readiness shows it).
         self.write_problem: str | None = None
         self._partial = False  # a failed write's bytes are still at the end of the file
+        # Why the room kept for the journal is not kept (a full disk), until it is again.
+        self.reserve_problem: str | None = None
+        self._take_reserve()
 
     @classmethod
     def open(
@@ -225,27 +187,32 @@ class Journal:
         *,
         durable: bool = True,
         compact_every: int = 1024,
-        retain_ended: int = RETAIN_ENDED,
-        retain_ended_s: float = RETAIN_ENDED_SECONDS,
+        window_s: float = WINDOW_S,
+        max_ids: int = MAX_IDS,
+        listed: int = LISTED_ENDED,
+        clock: Callable[[], float] = time.monotonic,
         accept_loss: bool = False,
+        reserve_bytes: int = RESERVE_BYTES,
     ) -> tuple[Journal, JournalReplay]:
-        """Open and replay; raises JournalUnsafe, JournalCorrupt or JournalLost (the
-        file untouched). `accept_loss`: open a journal that lost records anyway."""
+        """Open and replay; raises JournalUnsafe, JournalCorrupt, JournalLost (the file
+        untouched) or IndexUnusable. `accept_loss`: open a journal that lost records
+        anyway. `clock`: the monotonic clock node time is counted in. `reserve_bytes`:
+        the room kept back for the journal (a full disk leaves it not ready, not shut)."""
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = state_dir / JOURNAL_FILENAME
         mark_path = path.with_name(path.name + MARK_SUFFIX)
         acknowledged: int | None  # None: the mark cannot be read
         try:
-            sequence, acknowledged = read_mark(mark_path, _check_safe) or (0, 0)
+            sequence, acknowledged = read_mark(mark_path, check_safe) or (0, 0)
         except MarkUnreadable:
             sequence, acknowledged = 0, None
         try:
-            _check_safe(path, os.lstat(path))
+            check_safe(path, os.lstat(path))
             created = False
         except FileNotFoundError:
             created = True
             if not accept_loss:  # refused before anything is created
-                _check_loss(path, 0, mark_path, acknowledged, accept=False)
+                check_loss(path, 0, mark_path, acknowledged, accept=False)
         flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(path, flags, 0o600)
@@ -254,14 +221,14 @@ class Journal:
                 raise JournalUnsafe(UnsafeReason.SYMLINK, path) from exc
             raise
         try:
-            _check_safe(path, os.fstat(fd))
+            check_safe(path, os.fstat(fd))
             with open(fd, "rb", closefd=False) as reader:
                 data = reader.read()
-            state = LiveState(retain_ended=retain_ended, retain_ended_s=retain_ended_s)
+            state = LiveState()
             scan = scan_journal(data, state)
             if scan.problem is not None and not scan.torn:
                 raise JournalCorrupt(path, scan.good, scan.problem)
-            _check_loss(path, scan.records, mark_path, acknowledged, accept=accept_loss)
+            check_loss(path, scan.records, mark_path, acknowledged, accept=accept_loss)
             if scan.torn:
                 drop_torn_tail(path, fd, data, scan)
             elif not data and not created:
@@ -271,15 +238,20 @@ class Journal:
             elif durable and not scan.torn:
                 os.fsync(fd)  # what was read may not be on the disk yet: the mark claims it
             journal_mark = JournalMark.open(
-                mark_path, scan.records, _check_safe, sequence=sequence, durable=durable
+                mark_path, scan.records, check_safe, sequence=sequence, durable=durable
+            )
+            index = EndedIndex.open(
+                state_dir, window_s=window_s, max_ids=max_ids, durable=durable, clock=clock
             )
         except BaseException:
             os.close(fd)
             raise
+        older = [r for r in index.newest(listed) if r.invocation_id not in state.ended]
+        newest = [*older, *state.ended.values()][-listed:] if listed else []
         replay = JournalReplay(
             reservations=dict(state.reservations),
             processes=dict(state.processes),
-            ended=state.live_ended(),
+            ended={record.invocation_id: record for record in newest},
             records=scan.records,
             dropped_bytes=len(data) - scan.good,
             problem=scan.problem,
@@ -290,6 +262,8 @@ class Journal:
             state,
             scan.records,
             scan.good,
+            index=index,
+            reserve=DiskReserve(path.with_name(path.name + RESERVE_SUFFIX), reserve_bytes),
             mark=journal_mark,
             durable=durable,
             compact_every=compact_every,
@@ -318,9 +292,7 @@ class Journal:
             return
         data = b"".join(framed for _record, framed in batch)
         try:
-            write_all(self._fd, data)
-            if self._durable:
-                os.fsync(self._fd)
+            self._write(data)
         except OSError as exc:
             # Not durable, so not applied; cut the partial frames off so that the next
             # record does not land behind them (a restart would drop everything after).
@@ -348,6 +320,37 @@ class Journal:
                 # retried on the next append.
                 log.exception("journal %s: compaction failed; will retry", self.path)
 
+    def _write(self, data: bytes) -> None:
+        """Write and fsync `data`; a full disk gives the journal its reserve and the
+        write is tried once more in that room."""
+        try:
+            write_all(self._fd, data)
+            if self._durable:
+                os.fsync(self._fd)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or not self._reserve.held:
+                raise
+            self._cut_back()
+            if self._partial:
+                raise
+            self._reserve.release()
+            self.reserve_problem = (
+                f"the state folder's disk is full: the journal writes in its reserve "
+                f"({self._reserve.path}) and admits no new work"
+            )
+            log.error("journal %s: %s", self.path, self.reserve_problem)
+            write_all(self._fd, data)
+            if self._durable:
+                os.fsync(self._fd)
+
+    def _take_reserve(self) -> None:
+        try:
+            self._reserve.restore()
+        except OSError as exc:
+            self.reserve_problem = f"{exc.strerror}: {exc.filename}"
+        else:
+            self.reserve_problem = None
+
     def _cut_back(self) -> None:
         """Truncate to the end of the last good record; on failure, stay partial."""
         try:
@@ -361,11 +364,14 @@ class Journal:
 
     def recover(self) -> None:
         """After a failed write, prove the disk takes writes again: rewrite the journal
-        (compaction writes and fsyncs every live record). Raises while it still fails."""
-        if self.write_problem is None:
-            return
-        self.compact()
-        self.write_problem = None
+        (compaction writes and fsyncs every live record), and take the reserve back.
+        Raises while the write still fails; `reserve_problem` stays while the room is
+        not there."""
+        if self.write_problem is not None:
+            self.compact()
+            self.write_problem = None
+        if self.reserve_problem is not None:
+            self._take_reserve()
 
     def record_reserve(self, reservation: Reservation) -> None:
         self._append(ReserveRecord(reservation=reservation))
@@ -396,8 +402,17 @@ class Journal:
         return dict(self._state.processes)
 
     def ended(self, invocation_id: str) -> EndedRecord | None:
-        """How `invocation_id` ended, if that is remembered and inside the window."""
-        return self._state.live_ended_one(invocation_id)
+        """How `invocation_id` ended, if it ended inside the window."""
+        record = self._state.ended.get(invocation_id)
+        return record if record is not None else self.index.get(invocation_id)
+
+    def room(self) -> int:
+        """How many more ended ids the window can hold (what the journal holds counts)."""
+        return self.index.room() - len(self._state.ended)
+
+    def expire(self) -> int:
+        """Forget ids whose window has passed; raises sqlite3.Error."""
+        return self.index.expire()
 
     @property
     def record_count(self) -> int:
@@ -415,7 +430,8 @@ class Journal:
             raise JournalError("journal is closed")
         tmp = self.path.with_name("." + self.path.name + ".tmp")
         tmp.unlink(missing_ok=True)
-        records = self._state.records()
+        moved = self._move_ended()
+        records = self._state.records(ended=not moved)
         flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         new_fd = os.open(tmp, flags, 0o600)
         try:
@@ -430,13 +446,28 @@ class Journal:
                 tmp.unlink(missing_ok=True)
             raise
         old_fd, self._fd = self._fd, new_fd
+        if moved:
+            self._state.ended.clear()  # durable in the index, and gone from the journal
         self._records = len(records)
         self._size = os.fstat(new_fd).st_size
         self._partial = False  # the old file, partial tail and all, is gone
         os.close(old_fd)
         fsync_dir(self.path.parent)
 
+    def _move_ended(self) -> bool:
+        """Add the endings the journal holds to the index (durably); False if it cannot
+        take them now: the compacted journal keeps them, and the next compaction retries."""
+        if not self._state.ended:
+            return False
+        try:
+            self.index.add(self._state.ended.values())
+        except sqlite3.Error as exc:
+            log.error("index %s: endings stay in the journal for now: %s", self.index.path, exc)
+            return False
+        return True
+
     def close(self) -> None:
+        self.index.close()
         self._mark.close()
         if self._fd >= 0:
             os.close(self._fd)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -66,14 +65,13 @@ def fsync_dir(directory: Path) -> None:
 
 
 class LiveState:
-    """The live view the log describes; replay and append both update it."""
+    """The live view the log describes; replay and append both update it. `ended`:
+    the endings the log holds, not yet moved into the index of ended invocations."""
 
-    def __init__(self, *, retain_ended: int, retain_ended_s: float) -> None:
+    def __init__(self) -> None:
         self.reservations: dict[str, Reservation] = {}
         self.processes: dict[int, ProcessRecord] = {}
         self.ended: OrderedDict[str, EndedRecord] = OrderedDict()
-        self._retain_ended = retain_ended
-        self._retain_ended_s = retain_ended_s
 
     def apply(self, record: Record) -> None:
         match record:
@@ -90,24 +88,12 @@ class LiveState:
             case EndedRecord(invocation_id=iid):
                 self.ended.pop(iid, None)
                 self.ended[iid] = record
-                while len(self.ended) > self._retain_ended:
-                    self.ended.popitem(last=False)
-
-    def _fresh(self, record: EndedRecord) -> bool:
-        return record.ended_at >= time.time() - self._retain_ended_s
-
-    def live_ended(self) -> dict[str, EndedRecord]:
-        """The ended invocations still inside the retention window, oldest first."""
-        return {iid: r for iid, r in self.ended.items() if self._fresh(r)}
-
-    def live_ended_one(self, invocation_id: str) -> EndedRecord | None:
-        record = self.ended.get(invocation_id)
-        return record if record is not None and self._fresh(record) else None
 
     def size(self) -> int:
         return len(self.reservations) + len(self.processes) + len(self.ended)
 
-    def records(self) -> list[Record]:
+    def records(self, *, ended: bool = True) -> list[Record]:
+        """The records a compacted log holds; `ended`: the endings too."""
         out: list[Record] = [ReserveRecord(reservation=r) for r in self.reservations.values()]
         out.extend(
             ProcessStartedRecord(
@@ -118,7 +104,8 @@ class LiveState:
             )
             for p in self.processes.values()
         )
-        out.extend(self.live_ended().values())
+        if ended:
+            out.extend(self.ended.values())
         return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +32,8 @@ from machine.group_commit import GroupCommit
 from machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
 from machine.inventory import CpuInfo, Inventory, MemoryInfo
 from machine.journal import (
+    MAX_IDS,
+    WINDOW_S,
     EndedRecord,
     Journal,
     JournalError,
@@ -55,8 +58,13 @@ T = TypeVar("T")
 
 # How long shutdown waits for a journal write still running in its worker thread.
 JOURNAL_CLOSE_WAIT = 5.0
-# How often a journal that failed a write is retried when nothing else writes.
+# When a client refused for a journal that cannot write should try again.
 JOURNAL_RETRY_INTERVAL = 5.0
+# How often a journal that failed a write, or lacks its reserve, is retried when
+# nothing else writes (each try fails fast on a full disk).
+JOURNAL_RECOVER_INTERVAL = 1.0
+# How often ended ids past the idempotency window are forgotten (and node time kept).
+EXPIRE_INTERVAL = 60.0
 
 
 def _health_and_ledger(
@@ -167,6 +175,8 @@ class Machine:
         journal_timeout: float = 10.0,
         host: tuple[CpuInfo, MemoryInfo] | None = None,
         accept_journal_loss: bool = False,
+        idempotency_window: float = WINDOW_S,
+        idempotency_max_ids: int = MAX_IDS,
     ) -> Machine:
         """Discover, open and replay the journal, reconcile. Raises JournalError (unsafe,
         corrupt or lost journal: `accept_journal_loss` opens one that lost records) and
@@ -195,7 +205,13 @@ class Machine:
         ledger_box.append(ledger)
         with trio.fail_after(journal_timeout):
             journal, replay = await trio.to_thread.run_sync(
-                functools.partial(Journal.open, state_dir, accept_loss=accept_journal_loss),
+                functools.partial(
+                    Journal.open,
+                    state_dir,
+                    accept_loss=accept_journal_loss,
+                    window_s=idempotency_window,
+                    max_ids=idempotency_max_ids,
+                ),
                 abandon_on_cancel=True,
             )
         for reservation in replay.reservations.values():
@@ -296,22 +312,41 @@ class Machine:
         return self.journal.ended(invocation_id)
 
     def journal_problem(self) -> str | None:
-        """Why the journal cannot write (its last write failed), or None."""
-        problem = self.journal.write_problem
+        """Why the journal cannot write (its last write failed) or has no room kept for
+        it (a full disk: it writes endings, and no new work is admitted), or None."""
+        problem = self.journal.write_problem or self.journal.reserve_problem
         return None if problem is None else f"journal {self.journal.path}: {problem}"
 
-    async def watch_journal(self, *, interval: float = JOURNAL_RETRY_INTERVAL) -> None:
-        """Until cancelled: while the journal's last write failed, retry every `interval`."""
+    async def watch_journal(self, *, interval: float = JOURNAL_RECOVER_INTERVAL) -> None:
+        """Until cancelled: while the journal's last write failed or its reserve is not
+        held, retry every `interval`."""
         while True:
             await trio.sleep(interval)
-            if self.journal.write_problem is None:
+            if self.journal_problem() is None:
                 continue
             try:
                 await self._journal(self.journal.recover)
             except (OSError, JournalError, trio.TooSlowError) as exc:
                 log.debug("journal %s still cannot write: %s", self.journal.path, exc)
             else:
-                log.info("journal %s writes again", self.journal.path)
+                if self.journal_problem() is None:
+                    log.info("journal %s writes again", self.journal.path)
+
+    async def expire_ended(self, *, interval: float = EXPIRE_INTERVAL) -> None:
+        """Until cancelled: every `interval`, forget the ended ids whose window passed."""
+        while True:
+            await trio.sleep(interval)
+            try:
+                await self._journal(self.journal.expire)
+            except (sqlite3.Error, trio.TooSlowError) as exc:
+                log.warning("index %s: expiry failed, retried: %s", self.journal.index.path, exc)
+
+    def idempotency_room(self) -> int:
+        """How many more ended ids fit in the window: below 1, new work must wait."""
+        return self.journal.room()
+
+    def seconds_until_idempotency_room(self) -> float:
+        return self.journal.index.seconds_until_room()
 
     def snapshot(
         self,

@@ -138,8 +138,19 @@ def _announce_dev(url: str, daemon: Any) -> None:
     print(f"  token file:   {daemon.auth_path} (scheduler and admin secrets)", file=sys.stderr)
     print(f"  devices:      {_devices_line(daemon.machine.inventory)}", file=sys.stderr)
     print(f"  state folder: {daemon.config.state_dir}", file=sys.stderr)
+    print(f"  guest cwd:    {_cwd_line(daemon.config)}", file=sys.stderr)
     print(f"  try:          {_client_call(daemon.config)} run -- sleep 2", file=sys.stderr)
     print("  Ctrl-C stops (a second Ctrl-C stops at once)\n", file=sys.stderr, flush=True)
+
+
+def _cwd_line(config: Config) -> str:
+    """Where a guest may start (`--guest-cwd-roots` and the writable roots), in words."""
+    writable = set(config.guest_writable_roots)
+    roots = dict.fromkeys((*config.guest_cwd_roots, *config.guest_writable_roots))
+    if not roots:
+        return "none allowed (--guest-cwd-roots): `run --cwd none` starts in its private /tmp"
+    shown = [f"{root} (writable)" if root in writable else root for root in roots]
+    return "under " + ", ".join(shown) + "; elsewhere refused, `run --cwd none` starts in /tmp"
 
 
 def _devices_line(inventory: Any) -> str:
@@ -186,16 +197,18 @@ def _cmd_serve(inv: Invocation) -> int:
 
 
 def dev_config(inv: Invocation) -> Config:
-    """`dev`'s config: unless told otherwise, guests may write in the folder it was
-    started in (`run` in one's project writes there, as its user would) and a guest
-    that asks for it (`run --network host`) gets the host's network: trust decisions,
-    said at start-up."""
+    """`dev`'s config: unless told otherwise, a guest may start in the folder it was
+    started in (or below) and write there (`run` in one's project works there, as its
+    user would), and a guest that asks for it (`run --network host`) gets the host's
+    network: trust decisions, said at start-up."""
     config = _local_config(inv)
     if "guest_host_network" not in inv.explicit:
         config = msgspec.structs.replace(config, guest_host_network=True)
-    if "guest_writable_roots" in inv.explicit:
-        return config
-    return msgspec.structs.replace(config, guest_writable_roots=(os.getcwd(),))
+    here = (os.getcwd(),)
+    for name in ("guest_cwd_roots", "guest_writable_roots"):
+        if name not in inv.explicit:
+            config = msgspec.structs.replace(config, **{name: here})
+    return config
 
 
 def _cmd_dev(inv: Invocation) -> int:

@@ -85,6 +85,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     shutdown_grace: float
     state_lock_wait: float
     accept_journal_loss: bool
+    idempotency_window: float
+    idempotency_max_ids: int
     http_read_timeout: float
     http_body_timeout: float
     http_keep_alive: float
@@ -95,11 +97,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guest_uids: str
     guest_run_dir: str
     guest_pids_max: int
+    guest_cwd_roots: tuple[str, ...]
     guest_writable_roots: tuple[str, ...]
     guest_host_network: bool
     logs_max_bytes: int
     logs_total_bytes: int
     logs_retention: float
+    state_min_free: int
     dev_root: str
     lane_host_command: tuple[str, ...]
     max_kernel_seconds: float
@@ -243,16 +247,20 @@ _CHECKS: dict[str, Any] = {
     "health_interval": _positive,
     "shutdown_grace": _non_negative,
     "state_lock_wait": _non_negative,
+    "idempotency_window": _positive,
+    "idempotency_max_ids": lambda v: int(_positive(v)),
     "http_read_timeout": _positive,
     "http_body_timeout": _positive,
     "http_keep_alive": _positive,
     "guest_uids": _uid_range,
     "guest_run_dir": _absolute_or_empty,
     "guest_pids_max": lambda v: int(_positive(v)),
+    "guest_cwd_roots": _folders,
     "guest_writable_roots": _folders,
     "logs_max_bytes": lambda v: _non_negative(parse_size(v)),
     "logs_total_bytes": lambda v: _non_negative(parse_size(v)),
     "logs_retention": _positive,
+    "state_min_free": lambda v: _non_negative(parse_size(v)),
     "dev_root": _absolute,
     "lane_host_command": _command,
     "max_kernel_seconds": _kernel_seconds,

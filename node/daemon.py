@@ -37,8 +37,9 @@ from machine import Machine
 from machine.capacity_notes import capacity_notes
 from machine.cgroups import CgroupsUnavailable, system_cgroups
 from machine.discovery_sim import SimDeviceSource
+from machine.disk_floor import DiskFloor
 from machine.health import HealthTransition
-from machine.journal import JournalError
+from machine.journal import JournalError, release_reserve
 from machine.readiness import Readiness
 from machine.snapshot import NodeSnapshot
 from node.address import remove_address
@@ -179,6 +180,13 @@ class Daemon:
         except StateDirError as exc:
             raise StartupError(str(exc)) from exc
         try:
+            # On a full disk the journal's reserve is the room start-up writes need; the
+            # journal takes it back when it opens, or once the disk has it (not ready).
+            release_reserve(state_dir)
+        except (OSError, JournalError) as exc:
+            lock.release()
+            raise StartupError(f"journal reserve: {exc}") from exc
+        try:
             async with trio.open_nursery() as outer:
                 if self._handle_signals and threading.current_thread() is threading.main_thread():
                     await outer.start(self._signals.run)
@@ -294,6 +302,7 @@ class Daemon:
         self.readiness.check("drained", supervisor.drain_reason)
         self.readiness.done("supervisor")
         nursery.start_soon(machine.watch_journal)
+        nursery.start_soon(machine.expire_ended)
         nursery.start_soon(
             functools.partial(
                 machine.monitor,
@@ -342,8 +351,10 @@ class Daemon:
             total_bytes=config.logs_total_bytes,
             retention_s=config.logs_retention,
         )
+        # Free space the logs leave on the journal's filesystem (--state-min-free).
+        floor = DiskFloor(state_dir, config.state_min_free)
         try:
-            return await LogStore.open(state_dir / "logs", limits)
+            return await LogStore.open(state_dir / "logs", limits, floor)
         except (OSError, LogStoreError) as exc:
             raise StartupError(str(exc)) from exc
 
@@ -369,6 +380,8 @@ class Daemon:
                 pynvml_module=self._pynvml,
                 cgroups=None if isinstance(cgroups, CgroupsUnavailable) else cgroups,
                 accept_journal_loss=config.accept_journal_loss,
+                idempotency_window=config.idempotency_window,
+                idempotency_max_ids=config.idempotency_max_ids,
             )
         except (OSError, ValueError, JournalError) as exc:
             raise StartupError(str(exc)) from exc

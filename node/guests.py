@@ -4,9 +4,10 @@ Decided once, before the supervisor starts: whether the daemon can give each
 guest its own uid (the uid round resumed where the last run left it, uids that
 something still runs under held back), whether the sandbox tool works here (a
 real run of it, as a guest uid), and the folder that holds the node's Unix
-socket and the guests' token files (any a killed daemon left are removed), and
-the roots under which a guest's cwd is writable on the host (said as a note:
-what a guest writes there no grant bounds).
+socket and the guests' token files (any a killed daemon left are removed), the
+roots a guest's cwd must lie under (said as a note: in `serve` none by default,
+so a guest starts in its private /tmp) and those under which it is writable on
+the host (said as a note: what a guest writes there no grant bounds).
 What cannot be enforced is said at start-up, in the snapshot's notes and, where
 it blocks process work, in /readyz.
 """
@@ -182,6 +183,28 @@ def _writable_roots(config: Config, notes: list[str]) -> tuple[pathlib.Path, ...
     return roots
 
 
+def _cwd_roots(
+    config: Config, writable: tuple[pathlib.Path, ...], notes: list[str]
+) -> tuple[pathlib.Path, ...]:
+    """The real paths of `--guest-cwd-roots`, resolved once like the writable roots;
+    where a cwd may lie (these and the writable roots) is said as a note."""
+    roots = tuple(pathlib.Path(os.path.realpath(root)) for root in config.guest_cwd_roots)
+    allowed = tuple(dict.fromkeys((*roots, *writable)))
+    if allowed:
+        notes.append(
+            "a guest's cwd must lie under "
+            + ", ".join(map(str, allowed))
+            + " (--guest-cwd-roots, --guest-writable-roots); a request naming another "
+            "is refused (invalid_cwd), one naming none starts in its private /tmp"
+        )
+    else:
+        notes.append(
+            "no request may name a cwd: no --guest-cwd-roots or --guest-writable-roots "
+            "given, so guests start in their private /tmp (invalid_cwd otherwise)"
+        )
+    return roots
+
+
 def _own_user() -> str:
     uid = os.geteuid()
     try:
@@ -228,6 +251,7 @@ async def open_guest_setup(
         sock = bind_unix_socket(run_dir / SOCKET_NAME)
     except OSError as exc:
         raise GuestSetupError(f"guest socket in {run_dir}: {exc}") from exc
+    writable = _writable_roots(config, notes)
     policy = GuestPolicy(
         bwrap=bwrap,
         uids=uids,
@@ -239,7 +263,8 @@ async def open_guest_setup(
         refusal=blocked,
         cgroups=cgroups,
         pids_max=config.guest_pids_max,
-        writable_roots=_writable_roots(config, notes),
+        writable_roots=writable,
+        cwd_roots=_cwd_roots(config, writable, notes),
         host_network=config.guest_host_network,
     )
     if config.guest_host_network:

@@ -15,7 +15,7 @@ from node.flags import FlagError
 from supervisor.process import InvalidProcessRequest, validate_env
 from supervisor.wire import MAX_TIMEOUT_S, GuestNetwork, InvocationRequest, ProcessWork, Resources
 
-__all__ = ["build_request", "parse_cpu"]
+__all__ = ["NO_CWD", "build_request", "parse_cpu"]
 
 _CPU = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(m?)\s*$")
 MAX_CPU_MILLIS = 2**31
@@ -80,9 +80,15 @@ def _env(pairs: list[Any]) -> dict[str, str]:
     return env
 
 
-def _cwd(text: str) -> str:
+NO_CWD = "none"
+
+
+def _cwd(text: str) -> str | None:
+    """None for `--cwd none` (no cwd is sent: the guest starts in its private /tmp)."""
+    if text == NO_CWD:
+        return None
     if text and (not text.startswith("/") or "\0" in text):
-        raise ValueError("must be an absolute path")
+        raise ValueError(f"must be an absolute path, or {NO_CWD} to send no cwd")
     return text
 
 
@@ -120,7 +126,8 @@ def _requirement(checked: Mapping[str, Any]) -> Requirement:
 
 
 def build_request(options: Mapping[str, Any], argv: list[str], cwd: str) -> InvocationRequest:
-    """The request for `run -- argv`; every bad option is named in one FlagError."""
+    """The request for `run -- argv`; every bad option is named in one FlagError.
+    Its cwd is `--cwd`, else the current folder `cwd`; none with `--cwd none`."""
     checked: dict[str, Any] = {}
     problems = []
     for name, check in _CHECKS.items():
@@ -135,7 +142,10 @@ def build_request(options: Mapping[str, Any], argv: list[str], cwd: str) -> Invo
     return InvocationRequest(
         id="run-" + secrets.token_hex(8),
         work=ProcessWork(
-            argv=argv, env=checked["env"], cwd=checked["cwd"] or cwd, network=checked["network"]
+            argv=argv,
+            env=checked["env"],
+            cwd=None if checked["cwd"] is None else checked["cwd"] or cwd,
+            network=checked["network"],
         ),
         requirement=_requirement(checked),
         resources=Resources(

@@ -90,8 +90,9 @@ def check_request(request: InvocationRequest) -> None:
 
 
 def check_cwd(guests: GuestPolicy, cwd: str) -> None:
-    """A cwd that would cover the sandbox or reach the node's secrets: 422 `invalid_cwd`,
-    before a reservation exists (the guest's start checks the folder it opens again)."""
+    """A cwd that would cover the sandbox or reach the node's secrets, or that really
+    lies under none of the node's cwd roots: 422 `invalid_cwd`, before a reservation
+    exists (the guest's start checks the folder it opens again)."""
     try:
         guests.check_cwd(cwd)
     except InvalidProcessRequest as exc:

@@ -9,7 +9,10 @@ inode, walked up with `..`), whether the guest's uid could reach it; bubblewrap
 then binds `/proc/self/fd/N` of that very descriptor, which nothing can swap.
 
 A cwd is refused when it is `/`, covers or lies inside a place of the sandbox's
-own (a host folder there would replace it) or a place of the node's secrets.
+own (a host folder there would replace it) or a place of the node's secrets, and,
+where the operator gave an allow-list (`--guest-cwd-roots`, in `serve` none by
+default), when where it really is lies under none of its roots: a symlink inside a
+root that leads out of it leads to a refusal.
 """
 
 from __future__ import annotations
@@ -100,13 +103,35 @@ def _searchable(found: os.stat_result, uid: int) -> bool:
     return bool(found.st_mode & stat.S_IXOTH)
 
 
-def open_cwd(cwd: str, places: Sequence[Protected], uid: int | None) -> tuple[int, Path]:
+def _outside_roots(real: Path, roots: Sequence[Path]) -> str:
+    """Why a cwd outside every root is refused, and what the caller may do instead."""
+    instead = "send no cwd and the guest starts in its private /tmp"
+    if not roots:
+        return (
+            f"{real}: this node allows no cwd (it has no --guest-cwd-roots or "
+            f"--guest-writable-roots); {instead}"
+        )
+    listed = ", ".join(map(str, roots))
+    return (
+        f"{real} lies under none of this node's cwd roots ({listed}; --guest-cwd-roots "
+        f"and --guest-writable-roots): name a folder under one, or {instead}"
+    )
+
+
+def open_cwd(
+    cwd: str,
+    places: Sequence[Protected],
+    uid: int | None,
+    roots: Sequence[Path] | None = None,
+) -> tuple[int, Path]:
     """An O_PATH descriptor of the folder `cwd` names and where it really is, once
     checked (the caller closes it); else `InvalidProcessRequest` saying why.
 
     The daemon may open what `uid` could not reach (as root it passes every
     permission): with a `uid`, every folder above must let that uid through, as
-    when bubblewrap, run as the guest, resolved the name itself."""
+    when bubblewrap, run as the guest, resolved the name itself. With `roots` (real
+    paths), the folder must really be one of them or lie under one, whole folder
+    names compared (`/srv/ab` is not under `/srv/a`); None: no allow-list."""
     try:
         fd = os.open(cwd, _DIR_FLAGS)
     except OSError as exc:
@@ -122,6 +147,8 @@ def open_cwd(cwd: str, places: Sequence[Protected], uid: int | None) -> tuple[in
         if len(stats) == 1:
             raise _refuse("/ would cover the whole sandbox")
         _check_places(real, [_identity(s) for s in stats], places)
+        if roots is not None and not any(real.is_relative_to(root) for root in roots):
+            raise _refuse(_outside_roots(real, roots))
         if uid is not None and not all(_searchable(s, uid) for s in stats[1:]):
             raise _refuse(f"{real}: a folder above it does not let the guest's uid through")
     except BaseException:

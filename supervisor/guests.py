@@ -1,10 +1,10 @@
 """How guest processes are confined on this node, decided once at start-up.
 
 `GuestPolicy` says whether guests run in a sandbox (bubblewrap), under which
-uids, which device nodes exist, where the node's Unix socket is and under which
-roots a guest's cwd may be written on the host; `guest_session` turns one
-invocation's grant into what `run_process` needs and gives it all back (uid,
-token file) once the invocation's processes are gone.
+uids, which device nodes exist, where the node's Unix socket is, under which
+roots a guest's cwd may lie and under which it may be written on the host;
+`guest_session` turns one invocation's grant into what `run_process` needs and
+gives it all back (uid, token file) once the invocation's processes are gone.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ class GuestPolicy:
     # Real paths under which a guest's cwd is bound read-write: host writes no grant
     # bounds, the operator's trust decision. Elsewhere a cwd is read-only.
     writable_roots: tuple[Path, ...] = ()
+    # Real paths a guest's cwd must be or lie under (`--guest-cwd-roots`), each writable
+    # root counting as one too; `()` (serve's default): no request may name a cwd.
+    # None: no allow-list, for the supervisor's own unit tests; the daemon always
+    # gives one (node/guests.py).
+    cwd_roots: tuple[Path, ...] | None = None
     # Whether a guest that asks for it may have the host's network namespace
     # (`--guest-host-network`); otherwise every guest has its own, loopback only.
     host_network: bool = False
@@ -85,10 +90,17 @@ class GuestPolicy:
         places += [Protected(path, "the node's auth file") for path in self.hidden]
         return places
 
+    def allowed_roots(self) -> tuple[Path, ...] | None:
+        """Where a cwd may lie: the cwd roots and the writable ones (a writable root a
+        cwd could not lie under would be no use); None: anywhere else rules allow."""
+        if self.cwd_roots is None:
+            return None
+        return tuple(dict.fromkeys((*self.cwd_roots, *self.writable_roots)))
+
     def check_cwd(self, cwd: str) -> None:
         """Refuse (`InvalidProcessRequest`) a cwd no guest may get; at admission, before
         a uid is chosen. The guest's start opens and checks it again, with its uid."""
-        fd, _ = open_cwd(cwd, self.protected(), None)
+        fd, _ = open_cwd(cwd, self.protected(), None, self.allowed_roots())
         os.close(fd)
 
     def host_writable(self, real: Path) -> bool:
@@ -226,7 +238,7 @@ def _opened_cwd(
     if cwd is None:
         yield None
         return
-    fd, real = open_cwd(cwd, policy.protected(), uid)
+    fd, real = open_cwd(cwd, policy.protected(), uid, policy.allowed_roots())
     try:
         yield fd, real
     finally:

@@ -20,6 +20,12 @@ worker threads of their own
 limiter, each under a deadline: a full, failing or stuck disk cuts that
 invocation's logs and its status says so (`logs_cut`); the invocation itself runs
 and ends as it would have.
+
+Below every bound, the disk floor (`--state-min-free`, `machine/disk_floor.py`):
+a write that would leave less free space than the floor on the state folder's
+filesystem (the journal's) keeps what fits above it, and that invocation's
+later bytes are cut (`disk_floor`). Bytes are counted as the filesystem
+allocates them (whole blocks), so the floor holds to the block.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from pathlib import Path
 
 import trio
 
+from machine.disk_floor import DiskFloor
 from supervisor.wire import INVOCATION_ID
 
 __all__ = ["STREAMS", "InvocationLogs", "LogLimits", "LogStore", "LogStoreError"]
@@ -73,6 +80,7 @@ class InvocationLogs:
         self.id = invocation_id
         self._store = store
         self.bytes = 0  # counted against the bounds (both files)
+        self.sizes = dict.fromkeys(STREAMS, 0)  # bytes of this run in each file
         self.cut: str | None = None  # why some bytes were not kept ("evicted": all of them)
         self.created = False  # it takes bytes (an older run's files of the id are gone)
         self.closed = False  # no byte will be added any more
@@ -129,7 +137,10 @@ class InvocationLogs:
         """Append `data` to `stream`'s file, within the bounds; never raises for the disk."""
         if not data or self.closed or not self.created or self.cut is not None:
             return
-        allowed, victims, reason = self._store.make_room(self, len(data))
+        floor = self._store.floor
+        if floor is not None and floor.stale() and not await self._read_floor(floor):
+            return
+        allowed, victims, reason, reserved = self._store.make_room(self, stream, len(data))
         if reason is not None:
             self._cut_at(reason)
         if not allowed and not victims:
@@ -140,11 +151,24 @@ class InvocationLogs:
         except (OSError, trio.TooSlowError) as exc:
             self._cut_at(_failure("write_failed", exc))
         finally:
+            if floor is not None:
+                floor.done(reserved)
             # Readers open the file only from now on (after a failed first write it may
             # be missing: that reads as empty). Per-stream writes are never concurrent.
             if allowed:
                 self._on_disk.add(stream)
         self._notify()
+
+    async def _read_floor(self, floor: DiskFloor) -> bool:
+        """Read the free space (at most once a READING_SECONDS), in a log thread: a stuck
+        disk stalls it. False: the logs are cut (it failed, or the other stream's write
+        was cut meanwhile)."""
+        try:
+            await self._store.in_thread(floor.read)
+        except (OSError, trio.TooSlowError) as exc:
+            self._cut_at(_failure("write_failed", exc))
+            self._notify()
+        return self.cut is None
 
     async def close(self) -> None:
         """No more bytes: followers end once they have read everything."""
@@ -163,6 +187,17 @@ def _failure(what: str, exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"{what}: disk full"
     return f"{what}: {exc}"[:200]
+
+
+def _blocks(size: int, block: int) -> int:
+    """Bytes a file of `size` bytes takes on disk (whole blocks)."""
+    return -(-size // block) * block
+
+
+def _fits(size: int, room: int, block: int) -> int:
+    """Bytes that may be appended to a file of `size` bytes while it grows on disk by at
+    most `room`: the rest of its last block, then whole blocks."""
+    return _blocks(size, block) - size + room // block * block
 
 
 def _create(paths: list[Path]) -> None:
@@ -202,9 +237,11 @@ def _unlink(paths: Iterable[Path]) -> None:
 class LogStore:
     """Every invocation's logs: the live ones and the kept ended ones, with the bounds."""
 
-    def __init__(self, folder: Path, limits: LogLimits) -> None:
+    def __init__(self, folder: Path, limits: LogLimits, floor: DiskFloor | None = None) -> None:
         self.folder = folder
         self.limits = limits
+        # Free space kept on the state folder's filesystem; None (or a floor of 0): none.
+        self.floor = floor if floor is not None and floor.enabled else None
         self.total = 0
         self.holders = 0  # invocations with bytes counted (live and ended): shares' divisor
         self._live: dict[str, InvocationLogs] = {}
@@ -217,10 +254,12 @@ class LogStore:
         self.readers = 0  # open log streams (the edge bounds them)
 
     @classmethod
-    async def open(cls, folder: Path, limits: LogLimits) -> LogStore:
+    async def open(
+        cls, folder: Path, limits: LogLimits, floor: DiskFloor | None = None
+    ) -> LogStore:
         """Create the folder (0700) or check it is ours and private; index what it holds
         (from a previous run: ended) and apply the bounds at once."""
-        store = cls(folder, limits)
+        store = cls(folder, limits, floor)
         found = await trio.to_thread.run_sync(_scan, folder)
         for invocation_id, (size, ended_at) in sorted(found.items(), key=lambda kv: kv[1][1]):
             logs = InvocationLogs(store, invocation_id)
@@ -262,13 +301,21 @@ class LogStore:
         holders = self.holders + (1 if logs is not None and logs.bytes == 0 else 0)
         return self.limits.total_bytes // max(1, holders)
 
-    def make_room(self, logs: InvocationLogs, size: int) -> tuple[int, list[Path], str | None]:
-        """How many of `size` new bytes `logs` may keep, the ended logs to remove to make
-        room (already forgotten here), and why the rest is cut (None: nothing is)."""
+    def make_room(
+        self, logs: InvocationLogs, stream: str, size: int
+    ) -> tuple[int, list[Path], str | None, int]:
+        """How many of `size` new bytes of `stream` `logs` may keep, the ended logs to
+        remove to make room (already forgotten here), why the rest is cut (None: nothing
+        is), and the bytes granted by the disk floor (`done` with them once written)."""
         reason = None
         allowed = max(0, min(size, self.limits.invocation_bytes - logs.bytes))
         if allowed < size:
             reason = "invocation_limit"
+        floor = self.floor
+        if floor is not None and allowed:
+            fits = _fits(logs.sizes[stream], floor.room(), floor.block)
+            if fits < allowed:
+                allowed, reason = fits, "disk_floor"
         victims: list[Path] = []
         while self.total + allowed > self.limits.total_bytes:
             # The largest over-share gives first: the largest ended logs if they are
@@ -284,8 +331,16 @@ class LogStore:
                 reason = "total_limit"
                 break
             victims += self._forget(largest.id, evicted=True)
+        reserved = 0
+        if floor is not None and allowed:
+            reserved = _blocks(logs.sizes[stream] + allowed, floor.block) - _blocks(
+                logs.sizes[stream], floor.block
+            )
+            if not floor.reserve(reserved):  # another writer took the room meanwhile
+                allowed, reason, reserved = 0, "disk_floor", 0
+        logs.sizes[stream] += allowed
         self._count(logs, allowed)
-        return allowed, victims, reason
+        return allowed, victims, reason, reserved
 
     def ended(self, logs: InvocationLogs) -> list[Path]:
         """`logs` is complete: it joins the ended ones; returns what the bounds evict."""

@@ -1,8 +1,8 @@
 """Ended invocations as the journal remembers them, so an id never runs twice.
 
 The journal keeps, per ended invocation, a digest of its request and its final
-status (without the output text, which is not kept), for a bounded count and
-time (`machine.journal.RETAIN_ENDED`, `RETAIN_ENDED_SECONDS`). After a
+status (without the output text, which is not kept), for the idempotency
+window (`--idempotency-window`, on disk: `machine/ended_index.py`). After a
 restart a resubmission with the same request answers that status; another
 request under the id is a conflict, as it is before a restart.
 """

@@ -65,6 +65,21 @@ class Submission:
             raise AdmissionRefused(
                 503, "node_draining", "the node is drained: it admits no new work"
             )
+        if (full := state.machine.journal.reserve_problem) is not None:
+            self._announce_refusal(request.id, "journal_unavailable")
+            raise AdmissionRefused(
+                503, "journal_unavailable", full, retry_after=JOURNAL_RETRY_INTERVAL
+            )
+        if state.machine.idempotency_room() <= len(state.live):
+            # Each live invocation's id will need room too; none is forgotten to make it.
+            self._announce_refusal(request.id, "idempotency_full")
+            raise AdmissionRefused(
+                503,
+                "idempotency_full",
+                "the node remembers as many ended ids as it may for the idempotency window "
+                "(--idempotency-max-ids): new work waits until the oldest leave it",
+                retry_after=state.machine.seconds_until_idempotency_room(),
+            )
         if state.waiting >= state.max_queued:
             self._announce_refusal(request.id, "queue_full")
             raise AdmissionRefused(

@@ -25,7 +25,7 @@ from node.config import Config, build_config
 from node.daemon import Daemon
 from node.flags import coerce, load_flag_table, parse_argv
 from supervisor.wire import InvocationState, InvocationStatus
-from tests.helpers import guest_run_dir
+from tests.helpers import guest_cwd_roots, guest_run_dir
 
 __all__ = [
     "SSE_CONNECTED",
@@ -59,7 +59,8 @@ TERMINAL = frozenset(
 
 
 def daemon_config(tmp_path: pathlib.Path, *argv: str, devices: str = "sim") -> Config:
-    """A Config as `serve` builds it: loopback port 0, state in `tmp_path`.
+    """A Config as `serve` builds it: loopback port 0, state in `tmp_path`, guests'
+    cwds under the folders `guest_cwd` makes (serve allows none by default).
 
     Health probes run once at start and then rarely (an hour), so a snapshot
     changes only when a test changes something."""
@@ -78,6 +79,8 @@ def daemon_config(tmp_path: pathlib.Path, *argv: str, devices: str = "sim") -> C
         "0",
         "--guest-run-dir",
         guest_run_dir(),
+        "--guest-cwd-roots",  # where `guest_cwd` makes its folders; a test may say other
+        guest_cwd_roots(),
         *argv,
     ]
     parsed = parse_argv(table, args, {}, tuple(COMMANDS))

@@ -44,6 +44,11 @@ def guest_cwd() -> pathlib.Path:
     return folder
 
 
+def guest_cwd_roots() -> str:
+    """`--guest-cwd-roots` for a test daemon: where `guest_cwd` makes its folders."""
+    return json.dumps([str(GUEST_CWD_BASE)])
+
+
 def remove_guest_dirs() -> None:
     shutil.rmtree(GUEST_BASE, ignore_errors=True)
     shutil.rmtree(GUEST_CWD_BASE, ignore_errors=True)
@@ -62,6 +67,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LITEGRAPH_NODE_")}
     env["PYTHONPATH"] = str(ROOT)
     env["LITEGRAPH_NODE_GUEST_RUN_DIR"] = guest_run_dir()
+    env["LITEGRAPH_NODE_GUEST_CWD_ROOTS"] = guest_cwd_roots()  # `guest_cwd` folders
     env.update(extra)
     return env
 

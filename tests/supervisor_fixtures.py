@@ -279,11 +279,13 @@ async def open_rig(
     lane_hosts: Callable[[Lane], LaneDevice] | None = None,
     machine_cls: type[Machine] = Machine,
     tokens: TokenService | None = None,
+    machine_kw: dict[str, Any] | None = None,
     **sup_kw: Any,
 ) -> AsyncIterator[Rig]:
     """A running supervisor over the sim workstation; shut down and closed on exit.
 
-    `tokens` replaces the default token service (to give it a clock or a bound)."""
+    `tokens` replaces the default token service (to give it a clock or a bound);
+    `machine_kw` goes to `Machine.open`."""
     state_dir = tmp_path / "state"
     box: list[Supervisor] = []
     transitions: list[HealthTransition] = []
@@ -293,7 +295,9 @@ async def open_rig(
         if box:
             box[0].on_health(event)
 
-    machine = await open_machine(state_dir, cls=machine_cls, on_transition=on_transition)
+    machine = await open_machine(
+        state_dir, cls=machine_cls, on_transition=on_transition, **(machine_kw or {})
+    )
     try:
         if tokens is None:
             tokens = TokenService(NODE, KeyRing.open(state_dir), ttl=900)

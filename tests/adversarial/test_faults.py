@@ -203,7 +203,10 @@ async def test_faults_full_disk_refuses_with_retry_after_and_is_not_ready_until_
         ready = await node.client.get("/readyz")
         assert ready.status_code == 503
         assert "No space left" in ready.json()["error"]["details"]["reasons"]["journal"]
-        disk.full = False  # space returns: the next write succeeds and clears the reason
+        disk.full = False  # space returns: the node takes its journal's reserve back
+        with trio.fail_after(10):
+            while (await node.client.get("/readyz")).status_code != 200:  # noqa: ASYNC110
+                await trio.sleep(0.1)
         accepted = await node.client.post(
             "/v1/invocations", json=sleep_request("after", seconds=0.01), headers=op
         )

@@ -1,24 +1,33 @@
-"""A guest's cwd: the folder checked is the folder bound, and no cwd covers the
-sandbox's own places or reaches the node's state (issue 22, findings 1 and 2)."""
+"""A guest's cwd: the folder checked is the folder bound, no cwd covers the
+sandbox's own places or reaches the node's state (issue 22, findings 1 and 2), and
+every cwd really lies under one of the operator's roots (`--guest-cwd-roots`)."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
 from typing import Any
 
+import httpx
+import pytest
 import trio
 
+from node.cli import COMMANDS, Invocation, dev_config
+from node.flags import load_flag_table, parse_argv
 from tests.adversarial.fixtures import Node
+from tests.api_fixtures import running_daemon
 from tests.confinement.guests import (
     TERMINAL,
     confined_node,
     guest_cwd,
     process,
     python,
+    run_to_end,
     status,
 )
+from tests.helpers import guest_run_dir
 
 # Flips `link` as fast as it can, to the harmless folder three times in four (most
 # guests pass their checks, many then race the flip); each rename is atomic, so the
@@ -118,3 +127,88 @@ async def test_a_cwd_over_the_sandbox_or_the_state_folder_is_refused_and_changes
             assert error["code"] == "invalid_cwd", (cwd, error)
             assert reason in error["message"] and error["details"] == {"field": "cwd"}, error
             assert await node.state() == before, cwd  # no reservation, token or invocation
+
+
+# -- the operator's allow-list: --guest-cwd-roots (issue 22) --------------------------
+
+WHERE = "import os; print(os.getcwd())"
+
+
+async def _refused_cwd(node: Node, cwd: str | pathlib.Path) -> str:
+    """The message of a 422 `invalid_cwd` for `cwd`, once shown to have changed nothing."""
+    before = await node.state()
+    reply = await node.client.post(
+        "/v1/invocations", json=python(WHERE, cwd=str(cwd)), headers=node.op
+    )
+    assert reply.status_code == 422, (cwd, reply.text)
+    error = reply.json()["error"]
+    assert (error["code"], error["details"]) == ("invalid_cwd", {"field": "cwd"}), error
+    assert await node.state() == before, cwd  # no reservation, token or invocation
+    message: str = error["message"]
+    return message
+
+
+async def test_serve_without_cwd_roots_refuses_every_cwd_and_a_guest_without_one_runs_in_tmp(
+    tmp_path: pathlib.Path,
+) -> None:
+    # `[]` is serve's default (unit/node/test_config.py); the test harness gives roots.
+    folder = guest_cwd()
+    async with confined_node(tmp_path, "--guest-cwd-roots", "[]") as node:
+        message = await _refused_cwd(node, folder)
+        assert message == (
+            f"cwd: {folder}: this node allows no cwd (it has no --guest-cwd-roots or "
+            "--guest-writable-roots); send no cwd and the guest starts in its private /tmp"
+        )
+        notes = (await node.snapshot())["notes"]
+        assert any(note.startswith("no request may name a cwd") for note in notes), notes
+        found = await run_to_end(node, python(WHERE))  # no cwd: its private /tmp
+        assert (found["state"], found["stdout_tail"]) == ("succeeded", "/tmp\n"), found
+
+
+async def test_a_cwd_must_really_lie_under_a_root_a_symlink_out_of_one_is_refused(
+    tmp_path: pathlib.Path,
+) -> None:
+    root, outside = guest_cwd(), guest_cwd()
+    inside = root / "project" / "sub"
+    inside.mkdir(parents=True)
+    (root / "project").chmod(0o755)
+    inside.chmod(0o755)
+    (root / "escape").symlink_to(outside)  # a name inside the root, a folder outside it
+    (outside / "in").symlink_to(inside)  # a name outside the root, a folder inside it
+    prefixed = root.with_name(root.name + "x")  # a sibling whose name starts as the root's
+    prefixed.mkdir(mode=0o755)
+    async with confined_node(tmp_path, "--guest-cwd-roots", json.dumps([str(root)])) as node:
+        for cwd, runs_in in ((inside, inside), (root, root), (outside / "in", inside)):
+            found = await run_to_end(node, python(WHERE, cwd=str(cwd)))
+            assert (found["state"], found["stdout_tail"]) == ("succeeded", f"{runs_in}\n"), cwd
+        for cwd, real in ((root / "escape", outside), (outside, outside), (prefixed, prefixed)):
+            message = await _refused_cwd(node, cwd)
+            assert message.startswith(
+                f"cwd: {real} lies under none of this node's cwd roots ({root}; "
+            ), message
+            assert message.endswith("or send no cwd and the guest starts in its private /tmp")
+        notes = (await node.snapshot())["notes"]
+        assert any(note.startswith(f"a guest's cwd must lie under {root} (") for note in notes)
+
+
+async def test_dev_lets_a_guest_start_in_the_folder_it_was_started_in_and_below(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started, elsewhere = guest_cwd(), guest_cwd()
+    (started / "sub").mkdir(mode=0o755)
+    monkeypatch.chdir(started)  # where `litegraph-node dev` was typed
+    table = load_flag_table()
+    argv = ["dev", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")]
+    argv += ["--devices", "sim", "--shutdown-grace", "0", "--guest-run-dir", guest_run_dir()]
+    config = dev_config(Invocation(table, parse_argv(table, argv, {}, tuple(COMMANDS))))
+    assert config.guest_cwd_roots == (str(started),)
+    async with (
+        running_daemon(tmp_path, dev=True, config=config) as running,
+        httpx.AsyncClient(base_url=running.url, timeout=10) as client,
+    ):
+        node = Node(running.url, running.scheduler, running.admin, running.daemon, client)
+        for cwd in (started, started / "sub"):
+            found = await run_to_end(node, python(WHERE, cwd=str(cwd)))
+            assert (found["state"], found["stdout_tail"]) == ("succeeded", f"{cwd}\n"), found
+        message = await _refused_cwd(node, elsewhere)
+        assert f"lies under none of this node's cwd roots ({started}; " in message

@@ -52,7 +52,8 @@ async def test_a_guest_filling_its_cwd_under_serve_defaults_is_refused_and_the_n
     tmp_path: pathlib.Path,
 ) -> None:
     cwd = _open_folder()
-    # serve's default, said outright: no root where guests may write on the host.
+    # serve's default, said outright: no root where guests may write on the host. (The
+    # harness's --guest-cwd-roots let the cwd be named at all: serve allows none.)
     async with confined_node(tmp_path, "--guest-writable-roots", "[]") as node:
         body = _fill("fill", 300 * MiB)
         body["work"]["cwd"] = str(cwd)

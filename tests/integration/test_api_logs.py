@@ -12,6 +12,7 @@ import trio
 from api.errors import ErrorEnvelope
 from supervisor.wire import InvocationState
 from tests.api_fixtures import bearer, builtin_request, running_daemon, wait_for_state
+from tests.disk_fixtures import free_bytes, small_tmpfs
 from tests.helpers import guest_cwd
 
 
@@ -154,6 +155,38 @@ async def test_another_tenants_output_never_evicts_logs_within_their_share(
         assert gone.status_code == 404 and _code(gone) == "logs_unavailable"
         last = await wait_for_state(client, node.scheduler, "noisy-5")
         assert last.logs_cut == "invocation_limit"
+
+
+async def test_logs_stop_above_the_disk_floor_and_the_journal_keeps_room(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The finding: a guest printing more than the state folder's disk holds ended
+    # `write_failed: disk full`, and every later submission was 503 (no journal room).
+    floor = 4 * 2**20
+    with small_tmpfs(tmp_path / "state", "40m") as state:  # 16 MiB of it the journal's reserve
+        async with (
+            running_daemon(tmp_path, "--state-min-free", "4MiB") as node,
+            httpx.AsyncClient(base_url=node.url, timeout=30) as client,
+        ):
+            headers = bearer(node.scheduler)
+            body = _process("loud", "head -c 40000000 /dev/zero")
+            accepted = await client.post("/v1/invocations", json=body, headers=headers)
+            assert accepted.status_code == 202, accepted.text
+            loud = await wait_for_state(client, node.scheduler, "loud", seconds=60)
+            assert loud.state is InvocationState.succeeded and loud.logs_cut == "disk_floor"
+            assert loud.stdout_bytes == 40000000  # the guest's output was all read
+            # Logs never go under the floor; only the journal may (its few records).
+            assert free_bytes(state) > floor - 2**20
+            kept = await client.get("/v1/invocations/loud/logs", headers=headers)
+            assert 0 < len(kept.content) < 24 * 2**20
+            for n in range(3):  # the journal still writes: submissions are accepted
+                body = _process(f"after-{n}", "echo 42")
+                accepted = await client.post("/v1/invocations", json=body, headers=headers)
+                assert accepted.status_code == 202, accepted.text
+                after = await wait_for_state(client, node.scheduler, f"after-{n}")
+                assert after.state is InvocationState.succeeded and after.stdout_tail == "42\n"
+                assert after.logs_cut == "disk_floor"  # no room above the floor: not kept
+            assert free_bytes(state) > floor - 2**20
 
 
 async def test_logs_refusals(tmp_path: pathlib.Path) -> None:

@@ -151,7 +151,10 @@ def test_a_subcommands_help_lists_its_own_flags() -> None:
         (["--requirement", "tpu"], "--requirement: expected one of cpu, gpu, auto (got 'tpu')"),
         (["--env", "A=1", "--env", "NOEQUALS"], "--env: expected KEY=VALUE, got 'NOEQUALS'"),
         (["--env", "LD_PRELOAD=/x.so"], "--env: LD_PRELOAD: reserved: set by the node only"),
-        (["--cwd", "relative/dir"], "--cwd: must be an absolute path (got 'relative/dir')"),
+        (
+            ["--cwd", "relative/dir"],
+            "--cwd: must be an absolute path, or none to send no cwd (got 'relative/dir')",
+        ),
         (["--timeout", "0"], "--timeout: must be in (0, 604800] seconds (got 0.0)"),
     ],
 )

@@ -154,3 +154,29 @@ def test_logs_prints_a_stream_after_the_end_and_follows_a_running_one(
     unknown = logs("run-nope")
     assert unknown.returncode == 1 and b"unknown_invocation" in unknown.stderr
     assert logs(invocation_id, "--stream", "stdin").returncode == 2
+
+
+def test_run_against_serve_without_cwd_roots_says_how_and_runs_with_cwd_none(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`serve` allows no cwd by default; `run` sends its folder unless `--cwd none`."""
+    state = tmp_path / "served"
+    env = clean_env(LITEGRAPH_NODE_GUEST_CWD_ROOTS="[]")  # serve's default
+    argv = node_command(
+        "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--devices", "none"
+    )
+    with spawned(argv, env) as proc:
+        wait_for_line(proc, r"listening on (http://\S+)")
+        deadline = time.monotonic() + 20
+        while not (state / "address.json").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        refused = run_client(env, "--state-dir", str(state), "run", "--", "pwd")
+        assert refused.returncode == 1, refused.stderr
+        said = refused.stderr.splitlines()
+        assert said[0].startswith("litegraph-node run: refused (422) invalid_cwd: cwd: "), said
+        assert "this node allows no cwd" in said[0]
+        assert "--cwd none sends none" in said[1], said
+        ran = run_client(env, "--state-dir", str(state), "run", "--cwd", "none", "--", "pwd")
+        assert (ran.returncode, ran.stdout) == (0, "/tmp\n"), ran.stderr
+        assert stop(proc, signal.SIGTERM) == 0

@@ -114,3 +114,32 @@ async def test_run_whose_reader_left_cancels_the_invocation_and_exits_141(
         code = await follow_command("http://node", "s", request, out=_ClosedPipe(), err=err)
     assert code == 141  # as a shell reports SIGPIPE
     assert any(s.startswith("DELETE /v1/invocations/run-") for s in seen)
+
+
+@pytest.mark.parametrize(
+    ("code", "hinted"), [("invalid_cwd", True), ("invalid_request", False)], ids=str
+)
+async def test_a_refused_cwd_tells_how_to_send_none(
+    monkeypatch: pytest.MonkeyPatch, code: str, hinted: bool
+) -> None:
+    """`run` sends its current folder by default, which a `serve` without
+    --guest-cwd-roots refuses: the refusal says how to run anyway."""
+    seen: list[str] = []
+    message = "cwd: /srv/x: this node allows no cwd"
+
+    def refusing(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        body = {"error": {"code": code, "message": message, "details": {"field": "cwd"}}}
+        return httpx.Response(422, json=body)
+
+    _patch(monkeypatch, refusing)
+    err = io.BytesIO()
+    request = InvocationRequest(id="run-4", work=ProcessWork(argv=["true"], cwd="/srv/x"))
+    with trio.fail_after(5):
+        exit_code = await follow_command("http://node", "s", request, out=io.BytesIO(), err=err)
+    assert exit_code == 1 and seen == ["POST /v1/invocations"]
+    lines = err.getvalue().decode().splitlines()
+    assert lines[0] == f"litegraph-node run: refused (422) {code}: {message}"
+    assert (lines[1:] == [api.run_client.CWD_HINT]) is hinted, lines
+    if hinted:
+        assert "--cwd none sends none" in lines[1] and "--guest-cwd-roots" in lines[1]

@@ -16,6 +16,7 @@ import trio
 
 from machine.journal import (
     JOURNAL_FILENAME,
+    MAX_IDS,
     EndedRecord,
     Journal,
     JournalCorrupt,
@@ -408,7 +409,7 @@ class FullDisk:
 def test_a_failed_write_is_truncated_away_and_later_records_survive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    journal, _ = Journal.open(tmp_path)
+    journal, _ = Journal.open(tmp_path, reserve_bytes=0)  # no room kept back to fall on
     journal.record_reserve(reservation("a"))
     good = (tmp_path / JOURNAL_FILENAME).stat().st_size
     disk = FullDisk(monkeypatch, journal._fd)
@@ -461,7 +462,7 @@ def test_a_tail_that_cannot_be_truncated_blocks_appends_until_it_is(
 def test_recover_rewrites_the_journal_and_clears_the_problem(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    journal, _ = Journal.open(tmp_path)
+    journal, _ = Journal.open(tmp_path, reserve_bytes=0)
     journal.record_reserve(reservation("a"))
     disk = FullDisk(monkeypatch, journal._fd)
     disk.fail = 1
@@ -484,35 +485,51 @@ def ended(iid: str, at: float | None = None) -> EndedRecord:
     )
 
 
-def test_ended_invocations_survive_compaction_and_restart_within_count_and_window(
+class NodeClock:
+    """A monotonic clock the test moves (node time is counted in it)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ended_invocations_survive_compaction_and_restart_for_the_window(
     tmp_path: Path,
 ) -> None:
-    journal, _ = Journal.open(tmp_path, compact_every=8, retain_ended=5, retain_ended_s=3600)
-    journal.record_ended(ended("stale", at=time.time() - 3601))  # outside the window
+    clock = NodeClock()
+    journal, _ = Journal.open(tmp_path, compact_every=8, window_s=3600, listed=5, clock=clock)
     for i in range(7):
         journal.record_ended(ended(f"e{i}"))
-    churn(journal, 0, 8)  # compaction rewrites the log along the way
-    assert journal.record_count < 24
+    churn(journal, 0, 8)  # compaction moves the endings into the index along the way
+    assert journal.record_count < 16 and journal.index.count == 7
     assert journal.ended("e6") == ended("e6", at=journal.ended("e6").ended_at)  # type: ignore[union-attr]
-    assert journal.ended("e0") is None  # past the count: the two oldest are forgotten
-    assert journal.ended("stale") is None
+    assert journal.ended("e0") is not None  # no count bound short of --idempotency-max-ids
+    clock.now += 1800
     journal.close()
-    journal, replay = Journal.open(tmp_path, retain_ended=5, retain_ended_s=3600)
-    assert list(replay.ended) == ["e2", "e3", "e4", "e5", "e6"]
+    journal, replay = Journal.open(tmp_path, window_s=3600, listed=5, clock=clock)
+    assert list(replay.ended) == ["e2", "e3", "e4", "e5", "e6"]  # the newest, to be listed
     assert replay.ended["e4"].request_digest == "d-e4"
-    assert journal.ended("e2") is not None
+    assert all(journal.ended(f"e{i}") is not None for i in range(7))
+    # Node time goes on from where the last run left it: 1,800 s more ends the window.
+    clock.now += 1799
+    assert journal.ended("e0") is not None
+    clock.now += 2
+    assert journal.ended("e0") is None and journal.room() == MAX_IDS - 7
+    assert journal.expire() == 7 and journal.room() == MAX_IDS
     journal.close()
-    # A shorter window on the next start forgets what is older than it.
-    data = (tmp_path / JOURNAL_FILENAME).read_bytes()
-    _, replay = Journal.open(tmp_path, retain_ended_s=0.0)
-    assert replay.ended == {} and (tmp_path / JOURNAL_FILENAME).read_bytes() == data
 
 
 def test_the_same_id_ending_again_keeps_only_its_latest_record(tmp_path: Path) -> None:
-    journal, _ = Journal.open(tmp_path, retain_ended=2)
+    journal, _ = Journal.open(tmp_path, listed=2, compact_every=4)
     journal.record_ended(ended("a", at=time.time() - 10))
+    churn(journal, 0, 4)  # "a" moves into the index
     journal.record_ended(ended("b"))
     journal.record_ended(ended("a"))
     journal.close()
-    _, replay = Journal.open(tmp_path, retain_ended=2)
+    journal, replay = Journal.open(tmp_path, listed=2)
     assert list(replay.ended) == ["b", "a"] and replay.ended["a"].ended_at > time.time() - 5
+    journal.compact()
+    assert journal.ended("a").ended_at > time.time() - 5  # type: ignore[union-attr]
+    journal.close()

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from node.cli import COMMANDS, Invocation, dev_config
+from node.cli import COMMANDS, Invocation, _cwd_line, dev_config
 from node.config import Config, DeviceMode, build_config, parse_size, split_listen
 from node.flags import FlagError, coerce, load_flag_table, parse_argv
 
@@ -76,6 +76,8 @@ def test_listen_addresses(listen: str, expected: tuple[str, int]) -> None:
         (["--listen", "[zz]:1"], "--listen"),
         (["--devices", "tpu"], "--devices"),
         (["--reserved-memory", "lots"], "--reserved-memory"),
+        (["--state-min-free", "lots"], "--state-min-free"),
+        (["--state-min-free", "-1MiB"], "--state-min-free"),
         (["--token-ttl", "7200"], "--token-ttl"),
         (["--max-queued", "0"], "--max-queued"),
         (["--scheduler-url", "ftp://x"], "--scheduler-url"),
@@ -107,21 +109,79 @@ def test_guests_write_on_the_host_only_under_roots_given() -> None:
     assert given.guest_writable_roots == ("/srv/a", "/srv/b")
 
 
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("/srv/work", "--guest-cwd-roots (LITEGRAPH_NODE_GUEST_CWD_ROOTS): expected a JSON array"),
+        (
+            '["/srv/a", ',
+            "--guest-cwd-roots (LITEGRAPH_NODE_GUEST_CWD_ROOTS): expected a JSON array",
+        ),
+        ('["work"]', "--guest-cwd-roots: expected a JSON array of absolute paths (got ['work'])"),
+        ('["/srv/a", "b/c"]', "--guest-cwd-roots: expected a JSON array of absolute paths"),
+        ('[""]', "--guest-cwd-roots: expected a JSON array of absolute paths (got [''])"),
+        ("[7]", "--guest-cwd-roots: expected a JSON array of absolute paths (got [7])"),
+    ],
+)
+def test_cwd_roots_are_a_json_array_of_absolute_folders(given: str, said: str) -> None:
+    with pytest.raises(FlagError) as refused:
+        config_from(["--guest-cwd-roots", given])
+    assert str(refused.value).startswith(said), refused.value
+    with pytest.raises(FlagError) as from_env:  # the same from the environment
+        config_from([], {"LITEGRAPH_NODE_GUEST_CWD_ROOTS": given})
+    assert str(from_env.value).startswith(said), from_env.value
+
+
+def test_serve_lets_no_request_name_a_cwd_unless_roots_are_given() -> None:
+    assert config_from([]).guest_cwd_roots == ()  # serve: guests start in their /tmp
+    given = config_from(["--guest-cwd-roots", '["/srv/a/", "/srv/b", "/srv/a", "/srv//c/."]'])
+    assert given.guest_cwd_roots == ("/srv/a", "/srv/b", "/srv/c")
+    env = {"LITEGRAPH_NODE_GUEST_CWD_ROOTS": '["/srv/x"]'}
+    assert config_from([], env).guest_cwd_roots == ("/srv/x",)
+
+
+def dev(argv: list[str], env: dict[str, str]) -> Config:
+    """The Config `dev` builds from `argv` and `env`."""
+    table = load_flag_table()
+    return dev_config(Invocation(table, parse_argv(table, ["dev", *argv], env, tuple(COMMANDS))))
+
+
+def test_dev_lets_guests_start_where_it_started_unless_told(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    assert dev([], {}).guest_cwd_roots == (str(tmp_path),)
+    assert dev(["--guest-cwd-roots", "[]"], {}).guest_cwd_roots == ()
+    env = {"LITEGRAPH_NODE_GUEST_CWD_ROOTS": '["/srv/x"]'}
+    assert dev([], env).guest_cwd_roots == ("/srv/x",)
+    # Each flag has its own default: writable roots given leave the cwd roots dev's.
+    told = dev(["--guest-writable-roots", '["/srv/w"]'], {})
+    assert (told.guest_cwd_roots, told.guest_writable_roots) == ((str(tmp_path),), ("/srv/w",))
+    # dev's banner says where a guest may start, and how to send no cwd.
+    assert _cwd_line(dev([], {})).startswith(f"under {tmp_path} (writable); elsewhere refused")
+    assert _cwd_line(told) == (
+        f"under {tmp_path}, /srv/w (writable); elsewhere refused, `run --cwd none` starts in /tmp"
+    )
+    assert "`run --cwd none`" in _cwd_line(config_from([]))
+
+
 def test_dev_lets_guests_write_where_it_started_unless_told(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    table = load_flag_table()
-
-    def dev(argv: list[str], env: dict[str, str]) -> Config:
-        return dev_config(
-            Invocation(table, parse_argv(table, ["dev", *argv], env, tuple(COMMANDS)))
-        )
 
     assert dev([], {}).guest_writable_roots == (str(tmp_path),)
     assert dev(["--guest-writable-roots", "[]"], {}).guest_writable_roots == ()
     env = {"LITEGRAPH_NODE_GUEST_WRITABLE_ROOTS": '["/srv/x"]'}
     assert dev([], env).guest_writable_roots == ("/srv/x",)
+
+
+def test_the_disk_floor_is_256_mib_unless_given_and_0_disables_it() -> None:
+    assert config_from([]).state_min_free == 256 * 2**20
+    assert config_from(["--state-min-free", "0"]).state_min_free == 0
+    env = {"LITEGRAPH_NODE_STATE_MIN_FREE": "1GiB"}
+    assert config_from([], env).state_min_free == 2**30
 
 
 def test_environment_reaches_config() -> None:

@@ -65,3 +65,16 @@ def test_run_asks_for_its_own_network_unless_told_host() -> None:
     assert network_of(network="host") is GuestNetwork.HOST
     with pytest.raises(FlagError, match="--network: expected one of none, host"):
         network_of(network="bridge")
+
+
+def test_run_sends_its_folder_as_cwd_unless_told_another_or_none() -> None:
+    def cwd_of(**options: Any) -> str | None:
+        work = build_request({**DEFAULTS, **options}, ["true"], "/srv/here").work
+        assert isinstance(work, ProcessWork)
+        return work.cwd
+
+    assert cwd_of() == "/srv/here"
+    assert cwd_of(cwd="/srv/other") == "/srv/other"
+    assert cwd_of(cwd="none") is None  # the guest starts in its private /tmp
+    with pytest.raises(FlagError, match="--cwd: must be an absolute path, or none to send no"):
+        cwd_of(cwd="relative/dir")

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from machine.journal import RETAIN_ENDED, RETAIN_ENDED_SECONDS, EndedRecord, Journal
+from machine.journal import LISTED_ENDED, WINDOW_S, EndedRecord, Journal
 from machine.lanes import Isolation, Requirement
 from supervisor.admission import AdmissionRefused
 from supervisor.core import UnknownInvocation
@@ -53,10 +53,17 @@ async def test_an_ended_id_resubmitted_after_a_restart_answers_its_recorded_outc
 
 
 def _journal_ended(
-    tmp_path: Path, request: InvocationRequest, *, ended_at: float, outcome: bytes
+    tmp_path: Path,
+    request: InvocationRequest,
+    *,
+    ended_at: float,
+    outcome: bytes,
+    node_seconds_since: float = 0.0,
 ) -> None:
-    """What an earlier daemon on this state dir journaled when `request` ended."""
-    journal, _ = Journal.open(tmp_path / "state")
+    """What an earlier daemon on this state dir journaled when `request` ended, and
+    `node_seconds_since`: how long it then ran on."""
+    now = [0.0]
+    journal, _ = Journal.open(tmp_path / "state", clock=lambda: now[0])
     journal.record_ended(
         EndedRecord(
             invocation_id=request.id,
@@ -65,19 +72,39 @@ def _journal_ended(
             outcome=outcome,
         )
     )
+    journal.compact()  # into the index, at that node time
+    now[0] += node_seconds_since
     journal.close()
 
 
-async def test_an_id_ended_before_the_window_runs_again(tmp_path: Path) -> None:
+async def test_an_id_ended_before_the_window_of_node_time_runs_again(tmp_path: Path) -> None:
     request = builtin("old", "echo", text="hi")
     _journal_ended(
-        tmp_path, request, ended_at=time.time() - RETAIN_ENDED_SECONDS - 1, outcome=b"{}"
+        tmp_path, request, ended_at=time.time(), outcome=b"{}", node_seconds_since=WINDOW_S + 1
     )
     async with open_rig(tmp_path) as rig:
         with pytest.raises(UnknownInvocation):
             rig.sup.get("old")
         assert (await rig.sup.submit(request)).state is S.queued
         assert await rig.wait_terminal("old") is S.succeeded
+
+
+async def test_a_wall_clock_step_past_the_window_forgets_no_id(tmp_path: Path) -> None:
+    """The node was down, or the clock stepped 25 h forward: node time did not move."""
+    request = builtin("stepped", "echo", text="hi")
+    _journal_ended(
+        tmp_path,
+        request,
+        ended_at=time.time() - 25 * 3600,
+        outcome=b"{}",
+        node_seconds_since=WINDOW_S - 60,
+    )
+    async with open_rig(tmp_path) as rig:
+        answer = await rig.sup.submit(request)
+        assert answer.state is S.failed and rig.invocation_events("stepped") == []
+        with pytest.raises(AdmissionRefused) as refused:
+            await rig.sup.submit(builtin("stepped", "echo", text="other"))
+        assert refused.value.reason == "id_conflict"
 
 
 async def test_an_unreadable_recorded_outcome_still_keeps_the_id(tmp_path: Path) -> None:
@@ -148,19 +175,19 @@ def _ended(n: int, ended_at: float, outcome: bytes | None = None) -> EndedRecord
     )
 
 
-async def test_the_history_kept_over_restarts_is_bounded_in_count_and_age(
+async def test_the_history_listed_over_restarts_is_bounded_in_count_and_age(
     tmp_path: Path,
 ) -> None:
     now = time.time()
-    stale = _ended(0, now - RETAIN_ENDED_SECONDS - 60)
-    _remembered(tmp_path, [stale, *(_ended(n, now) for n in range(1, RETAIN_ENDED + 6))])
+    stale = _ended(0, now - WINDOW_S - 60)
+    _remembered(tmp_path, [stale, *(_ended(n, now) for n in range(1, LISTED_ENDED + 6))])
     async with open_rig(tmp_path) as rig:
         listed = rig.sup.list_page(EVERYTHING).invocations
         # The newest 4,096 that ended in the last 24 h: the 5 oldest and the stale one go.
-        assert len(listed) == RETAIN_ENDED
-        assert {s.id for s in listed} == {f"old-{n}" for n in range(6, RETAIN_ENDED + 6)}
-        with pytest.raises(UnknownInvocation):
-            rig.sup.get("old-5")
+        assert len(listed) == LISTED_ENDED
+        assert {s.id for s in listed} == {f"old-{n}" for n in range(6, LISTED_ENDED + 6)}
+        # Not listed, still remembered: its id is taken for the whole window.
+        assert rig.sup.get("old-5").state is S.succeeded
 
 
 async def test_an_unreadable_recorded_outcome_is_listed_not_dropped(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """A guest's cwd is opened once and checked as opened: what it is, covers or lies
-inside, and whether the guest's uid could reach it (supervisor/guest_cwd.py)."""
+inside, whether the guest's uid could reach it and whether it really lies under one
+of the operator's roots (supervisor/guest_cwd.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from supervisor.guest_cwd import Protected, open_cwd
 from supervisor.guests import GuestPolicy
 from supervisor.process import InvalidProcessRequest
 from tests.helpers import guest_cwd
+from tests.unit.supervisor.test_guests import session_with
 
 
 def _refusal(cwd: str | pathlib.Path, places: list[Protected], uid: int | None = None) -> str:
@@ -100,3 +102,67 @@ def test_the_policy_protects_the_sandboxs_places_the_state_the_run_dir_and_the_a
     assert "covers the node's auth file" in _refusal(auth.parent, auth_only)
     with pytest.raises(InvalidProcessRequest, match="lies inside the sandbox's private /tmp"):
         policy.check_cwd(str(tmp_path))  # pytest's tmp_path lies in /tmp
+
+
+def test_a_cwd_is_judged_on_where_it_really_is_against_the_roots(tmp_path: pathlib.Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a" / "b").mkdir(parents=True)
+    outside.mkdir()
+    (tmp_path / "rootx").mkdir()  # starts as the root's name does: not under it
+    (root / "escape").symlink_to(outside)
+    (outside / "in").symlink_to(root / "a")
+    roots = [root]
+    for cwd, real in (
+        (root, root),
+        (root / "a" / "b", root / "a" / "b"),
+        (outside / "in", root / "a"),
+    ):
+        fd, found = open_cwd(str(cwd), [], None, roots)
+        os.close(fd)
+        assert found == real
+    for cwd, real in (
+        (root / "escape", outside),
+        (outside, outside),
+        (tmp_path / "rootx", tmp_path / "rootx"),
+    ):
+        message = _refusal_under(cwd, roots)
+        assert message.startswith(f"{real} lies under none of this node's cwd roots ({root}; ")
+        assert message.endswith("or send no cwd and the guest starts in its private /tmp")
+    assert _refusal_under(root, []) == (
+        f"{root}: this node allows no cwd (it has no --guest-cwd-roots or "
+        "--guest-writable-roots); send no cwd and the guest starts in its private /tmp"
+    )
+    fd, _ = open_cwd(str(outside), [], None, None)  # None: no allow-list at all
+    os.close(fd)
+
+
+def _refusal_under(cwd: pathlib.Path, roots: list[pathlib.Path]) -> str:
+    with pytest.raises(InvalidProcessRequest) as refused:
+        fd, _ = open_cwd(str(cwd), [], None, roots)
+        os.close(fd)
+    return refused.value.message
+
+
+def test_writable_roots_are_cwd_roots_too_and_the_guests_start_checks_again() -> None:
+    cwd_root, writable, outside = guest_cwd(), guest_cwd(), guest_cwd()
+    state = guest_cwd() / "state"
+    policy = GuestPolicy(
+        bwrap=None, uids=None, state_dir=state, cwd_roots=(cwd_root,), writable_roots=(writable,)
+    )
+    assert policy.allowed_roots() == (cwd_root, writable)
+    assert GuestPolicy(bwrap=None, uids=None, state_dir=state).allowed_roots() is None
+    policy.check_cwd(str(cwd_root))
+    policy.check_cwd(str(writable))
+    with pytest.raises(InvalidProcessRequest, match="lies under none of this node's cwd roots"):
+        policy.check_cwd(str(outside))
+    # Admitted by name, then swapped for a folder outside: the start opens it again.
+    link = outside / "link"
+    link.symlink_to(writable)
+    policy.check_cwd(str(link))
+    link.unlink()
+    link.symlink_to(outside)
+    with (
+        pytest.raises(InvalidProcessRequest, match="lies under none of this node's cwd roots"),
+        session_with(policy, str(link)),
+    ):
+        pass

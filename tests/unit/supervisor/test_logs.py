@@ -9,16 +9,19 @@ import stat
 import time
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
 import trio.testing
 
 import supervisor.logstore
+from machine.disk_floor import DiskFloor
 from supervisor.logread import read_log
 from supervisor.logstore import InvocationLogs, LogLimits, LogStore
 from supervisor.output import OutputRing
 from supervisor.process import ProcessSpec, run_process
+from tests.disk_fixtures import free_bytes, small_tmpfs
 
 LIMITS = LogLimits(invocation_bytes=2**30, total_bytes=2**31, retention_s=3600)
 
@@ -398,3 +401,90 @@ async def test_the_largest_first_index_stays_bounded_by_the_kept_logs(
     assert len(store._ended) == 4 and store.holders == 4
     assert len(store._largest) <= 2 * 4 + 64
     assert store.total == sum(range(297, 301))
+
+
+BLOCK = 4096
+
+
+def _fixed_disk(tmp_path: Path, free_blocks: int, floor_blocks: int) -> DiskFloor:
+    """A floor over a disk that always shows `free_blocks` free, read once (the clock
+    never moves): every byte granted since counts."""
+
+    def statvfs(path: Path) -> SimpleNamespace:
+        return SimpleNamespace(f_bavail=free_blocks, f_frsize=BLOCK)
+
+    return DiskFloor(tmp_path, floor_blocks * BLOCK, statvfs=statvfs, clock=lambda: 0.0)
+
+
+async def test_a_write_that_would_cross_the_disk_floor_is_cut_and_says_so(
+    tmp_path: Path,
+) -> None:
+    floor = _fixed_disk(tmp_path, free_blocks=110, floor_blocks=100)  # 10 blocks of room
+    store = await LogStore.open(tmp_path / "logs", LIMITS, floor)
+    small = await _started(store, "small")
+    await small.write("stdout", b"kept\n")  # one block of the ten
+    await small.close()
+    assert small.cut is None and await _read(small) == b"kept\n"
+    big = await _started(store, "big")
+    await big.write("stdout", b"b" * (20 * BLOCK))  # nine blocks fit, the rest would not
+    assert big.cut == "disk_floor"
+    assert await _read(big) == b"b" * (9 * BLOCK)
+    await big.write("stderr", b"later\n")  # cut for good: nothing more is stored
+    await big.close()
+    assert await _read(big, "stderr") == b"" and not big.on_disk("stderr")
+    assert big.bytes == 9 * BLOCK and floor.room() == 0
+    assert small.cut is None and await _read(small) == b"kept\n"  # kept whole
+
+
+async def test_the_disk_floor_counts_whole_blocks_as_the_filesystem_allocates_them(
+    tmp_path: Path,
+) -> None:
+    floor = _fixed_disk(tmp_path, free_blocks=12, floor_blocks=10)  # 2 blocks of room
+    store = await LogStore.open(tmp_path / "logs", LIMITS, floor)
+    logs = await _started(store, "lines")
+    for _ in range(81):  # 8,100 bytes: the rest of the first block is used, not charged
+        await logs.write("stdout", b"x" * 100)
+    assert logs.cut is None and floor.room() == 0
+    await logs.write("stdout", b"y" * 100)  # 92 bytes are left of the second block
+    assert logs.cut == "disk_floor"
+    assert await _read(logs) == b"x" * 8100 + b"y" * 92
+
+
+async def test_a_free_space_reading_that_fails_cuts_the_logs_like_a_failing_disk(
+    tmp_path: Path,
+) -> None:
+    def broken(path: Path) -> SimpleNamespace:
+        raise OSError(errno.EIO, "Input/output error")
+
+    store = await LogStore.open(tmp_path / "logs", LIMITS, DiskFloor(tmp_path, 1, statvfs=broken))
+    logs = await _started(store, "blind")
+    await logs.write("stdout", b"lost\n")
+    await logs.close()
+    assert logs.cut == "write_failed: [Errno 5] Input/output error"
+    assert await _read(logs) == b""
+
+
+async def test_on_a_small_disk_logs_stop_above_the_floor_and_leave_it_free(
+    tmp_path: Path,
+) -> None:
+    # The finding, on a real filesystem: output past the free space (10 MiB into 8)
+    # once filled the disk under the journal (`write_failed: disk full`).
+    with small_tmpfs(tmp_path / "state", "8m") as state:
+        floor_bytes = 2 * 2**20
+        store = await LogStore.open(state / "logs", LIMITS, DiskFloor(state, floor_bytes))
+        logs = await _started(store, "chatty")
+        for _ in range(160):
+            await logs.write("stdout", b"x" * 65536)
+        await logs.close()
+        assert logs.cut == "disk_floor"
+        free = free_bytes(state)
+        block = os.statvfs(state).f_frsize
+        assert floor_bytes <= free < floor_bytes + block  # stopped at the floor
+        assert logs.path("stdout").stat().st_size == logs.bytes > 5 * 2**20
+        # The floor is the journal's: a large batch appended and fsynced still fits.
+        fd = os.open(state / "journal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            assert os.write(fd, b"j" * (floor_bytes // 2)) == floor_bytes // 2
+            os.fsync(fd)
+        finally:
+            os.close(fd)
