@@ -9,14 +9,15 @@ PACKAGES := lanehost capabilities machine supervisor api node
 # Test workers (pytest-xdist); each gets cgroups of its own (tests/worker_cgroups.py).
 PYTEST_WORKERS ?= 2
 
-.PHONY: run test lint typecheck pytest bench contracts clean system-run system-test
+.PHONY: run test lint typecheck pytest bench contracts certify-gpu clean system-run system-test
 
-# Debian packages pip cannot bring: the guest sandbox, and a browser for the page test.
+# Debian packages pip cannot bring: the guest sandbox, the setuid helpers that map a
+# normal user's subordinate uids for `dev` guests, and a browser for the page test.
 system-run:
-	sh scripts/system-packages bwrap:bubblewrap
+	sh scripts/system-packages bwrap:bubblewrap newuidmap:uidmap
 
 system-test:
-	sh scripts/system-packages bwrap:bubblewrap chromium:chromium
+	sh scripts/system-packages bwrap:bubblewrap newuidmap:uidmap chromium:chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +44,11 @@ bench: $(STAMP)
 
 contracts: $(STAMP)
 	$(BIN)/litegraph-node contracts
+
+# On a machine with an NVIDIA GPU: one PASS/FAIL line per check in certify-results/.
+# DEVICES=sim is the dry run; WHEELS=dir installs offline from a folder of wheels.
+certify-gpu: $(STAMP) system-run
+	sh scripts/certify-gpu
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .hypothesis *.egg-info

@@ -2,9 +2,13 @@
 
 It serves one request at a time until stdin reaches EOF (its owner closed the
 pipe or died), then exits 0. A frame whose declared length is over the bound
-breaks the framing: the host answers `frame_too_large` and exits 2. Logs go to
-stderr; file descriptor 1 is pointed at stderr too, so nothing a library
-prints can land inside the protocol stream.
+breaks the framing: the host answers `frame_too_large` and exits 2. A host
+whose backend cannot run (CuPy asked for, or a device named, and CUDA unusable)
+answers its first request `cuda_unavailable` with the reason and exits 2,
+never serving from host memory instead. A sticky device error is answered
+`device_failed`, and the host exits 3: its context is dead, so its owner starts
+a fresh host. Logs go to stderr; file descriptor 1 is pointed at stderr too, so
+nothing a library prints can land inside the protocol stream.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from lanehost.kernels import load_kernels
 from lanehost.protocol import (
     HEADER,
     EndOfStream,
+    ErrorCode,
     ErrorReply,
     FrameError,
     FrameReader,
@@ -34,11 +39,13 @@ from lanehost.protocol import (
 )
 from lanehost.state import LaneState
 
-__all__ = ["main", "serve"]
+__all__ = ["main", "refuse", "serve"]
 
 log = logging.getLogger("lanehost")
 
 EXIT_BROKEN_STREAM = 2
+EXIT_BACKEND_UNAVAILABLE = 2
+EXIT_DEVICE_FAILED = 3
 
 
 class _IdOnly(msgspec.Struct):
@@ -107,6 +114,26 @@ def serve(in_fd: int, out_fd: int, state: LaneState) -> int:
             log.error("stream ended inside a frame of %d bytes", length)
             return EXIT_BROKEN_STREAM
         _send(out_fd, _answer(state, payload))
+        if state.failed is not None:
+            log.error("exiting: the device's context is lost (%s)", state.failed)
+            return EXIT_DEVICE_FAILED
+
+
+def refuse(in_fd: int, out_fd: int, code: ErrorCode, message: str) -> int:
+    """Answer the first request with `code` and the reason (the host cannot serve:
+    its backend is unavailable), then the exit status."""
+    reader = FrameReader(in_fd)
+    try:
+        header = _read_exact(reader, HEADER.size)
+        payload = _read_exact(reader, frame_length(bytes(header)))
+    except (EndOfStream, FrameError):
+        return EXIT_BROKEN_STREAM
+    try:
+        request_id = msgspec.msgpack.decode(payload, type=_IdOnly).id
+    except msgspec.MsgspecError:
+        request_id = 0
+    _send(out_fd, ErrorReply(id=max(0, request_id), code=code, message=message))
+    return EXIT_BACKEND_UNAVAILABLE
 
 
 _PR_SET_PDEATHSIG = 1
@@ -153,19 +180,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.close(null)
     os.dup2(2, 1)
     try:
-        backend = select_backend(args.backend)
-    except BackendUnavailable as exc:
-        log.error("backend %s unavailable: %s", args.backend, exc)
-        return EXIT_BROKEN_STREAM
-    kernels = load_kernels()
-    log.info(
-        "serving: backend %s on %s, %d bytes, kernels %s",
-        backend.name,
-        backend.device,
-        args.memory_bytes,
-        ",".join(sorted(kernels)),
-    )
-    try:
-        return serve(in_fd, out_fd, LaneState(backend, args.memory_bytes, kernels))
+        try:
+            backend = select_backend(args.backend)
+        except BackendUnavailable as exc:
+            # Never host memory in place of the device: the owner learns why at its hello.
+            log.error("backend %s unavailable: %s", args.backend, exc)
+            return refuse(in_fd, out_fd, "cuda_unavailable", str(exc))
+        kernels = load_kernels()
+        state = LaneState(backend, args.memory_bytes, kernels)
+        log.info(
+            "serving: backend %s on %s, %d bytes (%d reserved by the host), kernels %s",
+            backend.name,
+            backend.device,
+            args.memory_bytes,
+            state.reserved,
+            ",".join(sorted(kernels)),
+        )
+        return serve(in_fd, out_fd, state)
     except BrokenPipeError:
         return 0  # the owner went away while we answered

@@ -3,7 +3,9 @@
 Kernels are code the operator installed: the built-ins below, plus entry points
 in the group `litegraph.kernels`, loaded once when the host starts. A guest
 names a kernel and passes scalars and buffer ids; it never sends code. A
-kernel gets the array module (`numpy` or `cupy`), so one body runs on both.
+kernel gets the array module (`numpy` or `cupy`), so one body runs on both,
+and declares the temporaries it allocates (`Kernel.scratch`), which the host
+counts against the lane's budget before it runs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "Kernel",
     "KernelError",
     "load_kernels",
+    "no_scratch",
 ]
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,14 @@ ENTRY_POINT_GROUP = "litegraph.kernels"
 # (xp, args, buffers) -> result. `buffers` are the arrays themselves, already
 # looked up by the host; the body must not keep them.
 KernelFn = Callable[[Any, Mapping[str, Scalar], Mapping[str, Any]], dict[str, Scalar]]
+# buffers -> the bytes of temporaries the body allocates on the lane's device while it
+# runs (axpy's alpha * x): the host refuses the run `out_of_memory` unless they fit
+# in what the lane's budget has free, so a kernel never takes the device past it.
+ScratchFn = Callable[[Mapping[str, Any]], int]
+
+
+def no_scratch(buffers: Mapping[str, Any]) -> int:
+    return 0
 
 
 class KernelError(Exception):
@@ -51,14 +62,19 @@ class Kernel:
     fn: KernelFn
     args: frozenset[str] = frozenset()
     buffers: frozenset[str] = frozenset()
+    scratch: ScratchFn = no_scratch
 
-    def __call__(
-        self, xp: Any, args: Mapping[str, Scalar], buffers: Mapping[str, Any]
-    ) -> dict[str, Scalar]:
+    def check(self, args: Mapping[str, Scalar], buffers: Mapping[str, Any]) -> None:
+        """KernelError `bad_args` unless these are exactly its args and buffers."""
         if set(args) != self.args:
             raise KernelError("bad_args", f"{self.name} takes args {sorted(self.args)}")
         if set(buffers) != self.buffers:
             raise KernelError("bad_args", f"{self.name} takes buffers {sorted(self.buffers)}")
+
+    def __call__(
+        self, xp: Any, args: Mapping[str, Scalar], buffers: Mapping[str, Any]
+    ) -> dict[str, Scalar]:
+        self.check(args, buffers)
         return self.fn(xp, args, buffers)
 
 
@@ -110,8 +126,12 @@ def _axpy(xp: Any, args: Mapping[str, Scalar], buffers: Mapping[str, Any]) -> di
     _same("axpy", x, y)
     if str(y.dtype) not in FLOATS:
         raise KernelError("dtype_mismatch", f"axpy needs a float dtype, not {y.dtype}")
-    y += y.dtype.type(alpha) * x
+    y += y.dtype.type(alpha) * x  # alpha * x is a temporary of x's size: `_axpy_scratch`
     return {}
+
+
+def _axpy_scratch(buffers: Mapping[str, Any]) -> int:
+    return int(buffers["x"].nbytes)
 
 
 def _matmul(xp: Any, args: Mapping[str, Scalar], buffers: Mapping[str, Any]) -> dict[str, Scalar]:
@@ -142,7 +162,7 @@ BUILTIN_KERNELS: dict[str, Kernel] = {
         Kernel("noop", _noop),
         Kernel("fill", _fill, frozenset({"value"}), frozenset({"out"})),
         Kernel("copy", _copy, buffers=frozenset({"src", "dst"})),
-        Kernel("axpy", _axpy, frozenset({"alpha"}), frozenset({"x", "y"})),
+        Kernel("axpy", _axpy, frozenset({"alpha"}), frozenset({"x", "y"}), _axpy_scratch),
         Kernel("matmul", _matmul, buffers=frozenset({"a", "b", "out"})),
         Kernel("sum", _sum, buffers=frozenset({"x"})),
     )

@@ -104,6 +104,13 @@ ErrorCode = Literal[
     "dtype_mismatch",
     "shape_mismatch",
     "kernel_failed",
+    # Hello refused: the host was given a CUDA device and cannot run CUDA kernels on
+    # it (no CuPy, no driver, a missing cuBLAS or NVRTC); it exits, never serving
+    # the lane from host memory instead.
+    "cuda_unavailable",
+    # A sticky device error (after it the CUDA context is dead and every later call
+    # fails): the request's work is lost, and the host exits after this reply.
+    "device_failed",
 ]
 ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
 
@@ -197,6 +204,10 @@ class HelloReply(_Message, frozen=True, tag="hello", tag_field="reply"):
     device: str  # "host" for NumPy; the device's name and UUID for CuPy
     memory_total: _Bytes  # the lane's budget, --memory-bytes
     kernels: list[str]
+    # Of the budget, the device memory the host holds for itself, measured at its
+    # start (its CUDA context, cuBLAS's workspace; 0 on NumPy): its buffers and
+    # their temporaries get the rest.
+    memory_reserved: _Bytes = 0
 
 
 class AllocReply(_Message, frozen=True, tag="alloc", tag_field="reply"):
@@ -234,13 +245,15 @@ class RunReply(_Message, frozen=True, tag="run", tag_field="reply"):
 class StatsReply(_Message, frozen=True, tag="stats", tag_field="reply"):
     id: _Id
     used: _Bytes
-    free: _Bytes
+    free: _Bytes  # total - reserved - used
     total: _Bytes
     buffers: _Bytes
+    reserved: _Bytes = 0  # HelloReply.memory_reserved
 
 
 class ErrorReply(_Message, frozen=True, tag="error", tag_field="reply"):
-    """The request failed and changed nothing (except `kernel_failed`: see the docs).
+    """The request failed and changed nothing (except `kernel_failed` and
+    `device_failed`: see the docs).
 
     `id` is 0 when the frame could not be read as a request at all.
     """

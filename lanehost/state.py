@@ -2,6 +2,13 @@
 
 `LaneState.handle` is the whole host minus the pipes: it takes one decoded
 request and returns its reply, and a refused request changes nothing.
+
+The budget is honest device memory: what the backend holds for itself (its
+CUDA context, measured at start: `Backend.overhead`) is reserved out of it, the
+memory pool is limited to the rest, a kernel's temporaries must fit in what is
+free before it runs, and freed blocks go back to the device at once. A sticky
+device error, in any request, is that request's `device_failed`, after which
+`failed` is set and the host exits (`lanehost.host.serve`).
 """
 
 from __future__ import annotations
@@ -60,22 +67,44 @@ class LaneState:
     def __init__(self, backend: Backend, memory_bytes: int, kernels: dict[str, Kernel]) -> None:
         self._backend = backend
         self._total = memory_bytes
+        self._reserved = min(backend.overhead, memory_bytes)
         self._kernels = kernels
         self._buffers: dict[str, _Buffer] = {}
         self._used = 0
         self._greeted = False
+        self.failed: str | None = None  # why the device can no longer be trusted
+        # The pool never holds more than the budget leaves the buffers and temporaries.
+        backend.limit(memory_bytes - self._reserved)
 
     @property
     def used(self) -> int:
         return self._used
 
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def free(self) -> int:
+        return max(0, self._total - self._reserved - self._used)
+
     def handle(self, request: Request) -> Reply:
+        if self.failed is not None:
+            return ErrorReply(id=request.id, code="device_failed", message=self.failed)
         try:
             if not self._greeted and not isinstance(request, Hello):
                 raise Refused("bad_request", "the first request must be hello")
             return self._dispatch(request)
         except Refused as exc:
             return ErrorReply(id=request.id, code=exc.code, message=str(exc))
+        except self._backend.device_errors as exc:
+            # Sticky: the context is dead, every later call would fail too. Whatever
+            # the request (run, alloc, write, read, free), it ends here, and the host
+            # with it, so its owner starts a fresh one.
+            op = type(request).__name__.lower()
+            self.failed = f"{op}: the device failed and its context is lost: {exc!r}"
+            log.error("%s", self.failed)
+            return ErrorReply(id=request.id, code="device_failed", message=self.failed)
 
     def _dispatch(self, request: Request) -> Reply:
         match request:
@@ -99,9 +128,10 @@ class LaneState:
                 return StatsReply(
                     id=request.id,
                     used=self._used,
-                    free=self._total - self._used,
+                    free=self.free,
                     total=self._total,
                     buffers=len(self._buffers),
+                    reserved=self._reserved,
                 )
 
     def _hello(self, request: Hello) -> HelloReply:
@@ -118,6 +148,7 @@ class LaneState:
             device=self._backend.device,
             memory_total=self._total,
             kernels=sorted(self._kernels),
+            memory_reserved=self._reserved,
         )
 
     def _alloc(self, request: Alloc) -> AllocReply:
@@ -126,11 +157,8 @@ class LaneState:
         if len(self._buffers) >= MAX_BUFFERS:
             raise Refused("too_many_buffers", f"the lane holds {MAX_BUFFERS} buffers already")
         nbytes = math.prod(request.shape) * ITEMSIZE[request.dtype]
-        if nbytes > self._total - self._used:
-            raise Refused(
-                "out_of_memory",
-                f"{nbytes} bytes asked, {self._total - self._used} of {self._total} free",
-            )
+        if nbytes > self.free:
+            raise Refused("out_of_memory", f"{nbytes} bytes asked, {self._free_text()}")
         try:
             array = self._backend.zeros(request.dtype, request.shape)
         except self._backend.out_of_memory as exc:
@@ -139,6 +167,10 @@ class LaneState:
         self._used += nbytes
         return AllocReply(id=request.id, buffer_id=request.buffer_id, nbytes=nbytes)
 
+    def _free_text(self) -> str:
+        reserved = f" ({self._reserved} reserved by the host)" if self._reserved else ""
+        return f"{self.free} of {self._total} free{reserved}"
+
     def _buffer(self, buffer_id: str) -> _Buffer:
         buf = self._buffers.get(buffer_id)
         if buf is None:
@@ -146,6 +178,11 @@ class LaneState:
         return buf
 
     def _free(self, buffer_id: str) -> int:
+        nbytes = self._drop(buffer_id)
+        self._backend.release()
+        return nbytes
+
+    def _drop(self, buffer_id: str) -> int:
         buf = self._buffer(buffer_id)
         del self._buffers[buffer_id]
         self._used -= buf.nbytes
@@ -155,8 +192,10 @@ class LaneState:
         freed = nbytes = 0
         for buffer_id in dict.fromkeys(request.buffer_ids):
             if buffer_id in self._buffers:
-                nbytes += self._free(buffer_id)
+                nbytes += self._drop(buffer_id)
                 freed += 1
+        if freed:
+            self._backend.release()
         return FreeAllReply(id=request.id, freed=freed, nbytes=nbytes)
 
     def _span(self, buffer_id: str, offset: int, length: int) -> tuple[_Buffer, int]:
@@ -178,16 +217,34 @@ class LaneState:
         if kernel is None:
             raise Refused("unknown_kernel", f"no kernel {request.kernel!r}")
         arrays = {name: self._buffer(bid).array for name, bid in request.buffers.items()}
+        backend = self._backend
         try:
-            result = kernel(self._backend.xp, request.args, arrays)
-            self._backend.synchronize()
+            kernel.check(request.args, arrays)
+        except KernelError as exc:
+            raise Refused("bad_args", str(exc)) from exc
+        scratch = kernel.scratch(arrays)
+        if scratch > self.free:
+            raise Refused(
+                "out_of_memory",
+                f"{request.kernel} needs {scratch} bytes of temporaries, {self._free_text()}",
+            )
+        try:
+            result = kernel(backend.xp, request.args, arrays)
+            backend.synchronize()
         except KernelError as exc:
             code = exc.code if exc.code in _KERNEL_CODES else "kernel_failed"
             raise Refused(code, str(exc)) from exc  # type: ignore[arg-type]
+        except backend.out_of_memory as exc:  # past the pool's limit: the device refused
+            raise Refused("out_of_memory", f"{request.kernel}: the device refused: {exc}") from exc
+        except backend.device_errors:
+            raise  # sticky: `handle` ends the host
         except Exception as exc:
             # The buffers it was given may be partly written; the others are untouched.
             log.exception("kernel %s failed", request.kernel)
             raise Refused("kernel_failed", f"{request.kernel}: {exc!r}") from exc
+        finally:
+            if scratch:
+                backend.release()  # its temporaries' blocks go back to the device
         if not isinstance(result, dict) or not all(
             isinstance(k, str) and isinstance(v, bool | int | float) for k, v in result.items()
         ):

@@ -183,7 +183,7 @@ class EndedIndex:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
             raise
-        self.count += cursor.rowcount  # a replaced id counts twice until `expire` recounts
+        self.count += cursor.rowcount  # a replaced id counts twice until the next open
 
     def get(self, invocation_id: str) -> EndedRecord | None:
         """How `invocation_id` ended, if it ended inside the window."""
@@ -224,7 +224,9 @@ class EndedIndex:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
             raise
-        (self.count,) = db.execute("SELECT count(*) FROM ended").fetchone()
+        # Not recounted (a scan of up to max_ids rows, holding up the journal's writer):
+        # a replaced id over-counts, which only refuses early, until the next start.
+        self.count = max(0, self.count - cursor.rowcount)
         return cursor.rowcount
 
     def room(self) -> int:

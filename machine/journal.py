@@ -302,6 +302,8 @@ class Journal:
             raise
         self._size += len(data)
         self.write_problem = None
+        if self.reserve_problem is not None:
+            self._take_reserve()  # the disk took this write: it may have the room again
         for record, _framed in batch:
             self._state.apply(record)
         self._records += len(batch)
@@ -347,7 +349,12 @@ class Journal:
         try:
             self._reserve.restore()
         except OSError as exc:
-            self.reserve_problem = f"{exc.strerror}: {exc.filename}"
+            self.reserve_problem = (
+                f"the state folder's disk is full: {exc.strerror}: {exc.filename}; "
+                "the journal admits no new work until it has that room"
+            )
+        except JournalUnsafe as exc:
+            self.reserve_problem = str(exc)
         else:
             self.reserve_problem = None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from typing import Literal
 
 import msgspec
 
@@ -21,6 +22,7 @@ __all__ = [
     "ISOLATION_BY_KIND",
     "Isolation",
     "Lane",
+    "LaneBackend",
     "LaneKind",
     "Requirement",
     "build_lanes",
@@ -59,6 +61,11 @@ ISOLATION_BY_KIND: dict[LaneKind, frozenset[Isolation]] = {
 }
 
 
+# Where a lane's hosts keep buffers and run kernels: CuPy (the lane's CUDA device) or
+# NumPy (host memory).
+LaneBackend = Literal["numpy", "cupy"]
+
+
 def lane_id_for(uuid: str) -> str:
     """Opaque, stable lane id: "lane_" + 16 hex of sha256(uuid)."""
     return "lane_" + hashlib.sha256(uuid.encode("utf-8")).hexdigest()[:16]
@@ -77,15 +84,29 @@ class Lane(msgspec.Struct, frozen=True, kw_only=True):
     # Simulated lanes only (their VRAM is host memory): the size the sim file
     # declares; `vram_bytes` is what the host's memory lets the lane hold.
     declared_vram_bytes: int | None = None
+    # Its hosts' backend (`array_backend`); None: by kind, so a device lane is CUDA
+    # unless it is marked host memory (build_lanes marks simulated ones).
+    backend: LaneBackend | None = None
 
     @property
     def is_gpu(self) -> bool:
         return self.kind is not LaneKind.CPU
 
+    @property
+    def array_backend(self) -> LaneBackend:
+        """NumPy on the CPU pool and simulated lanes; CuPy on a real GPU or MIG
+        instance, which never falls back to host memory: without CUDA the lane is
+        unhealthy `cuda_unavailable` instead."""
+        if self.backend is not None:
+            return self.backend
+        return "numpy" if self.kind is LaneKind.CPU else "cupy"
+
 
 def build_lanes(inventory: Inventory) -> tuple[Lane, ...]:
     """The CPU pool lane first, then GPUs in discovery order (MIG instances for MIG GPUs);
-    simulated lanes' VRAM capped to `inventory.vram_limit_bytes` together."""
+    simulated lanes' VRAM capped to `inventory.vram_limit_bytes` together. Lanes of
+    NVML's devices compute with CuPy; the CPU pool and simulated ones with NumPy."""
+    device_backend: LaneBackend = "cupy" if inventory.backend == "nvml" else "numpy"
     lanes = [
         Lane(
             lane_id=lane_id_for(CPU_POOL_UUID),
@@ -93,6 +114,7 @@ def build_lanes(inventory: Inventory) -> tuple[Lane, ...]:
             device_id=CPU_POOL_UUID,
             visible_uuid=None,
             accepts=ISOLATION_BY_KIND[LaneKind.CPU],
+            backend="numpy",
         )
     ]
     for gpu in inventory.gpus:
@@ -105,6 +127,7 @@ def build_lanes(inventory: Inventory) -> tuple[Lane, ...]:
                     visible_uuid=mig.uuid,
                     accepts=ISOLATION_BY_KIND[LaneKind.MIG],
                     vram_bytes=mig.memory_total_bytes,
+                    backend=device_backend,
                 )
                 for mig in gpu.mig_instances
             )
@@ -117,6 +140,7 @@ def build_lanes(inventory: Inventory) -> tuple[Lane, ...]:
                     visible_uuid=gpu.uuid,
                     accepts=ISOLATION_BY_KIND[LaneKind.GPU],
                     vram_bytes=gpu.memory_total_bytes,
+                    backend=device_backend,
                 )
             )
     if inventory.vram_limit_bytes is None:

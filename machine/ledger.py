@@ -1,7 +1,7 @@
 """The capacity ledger: pure accounting of CPU, memory, GPUs and VRAM (no I/O).
 
 Per resource: capacity, reserved (kept back for the system: reserved CPU
-millis, reserved memory, VRAM headroom per lane), allocated (the sum of live
+millis, reserved memory, VRAM headroom per lane plus the CUDA context of the lane's own host), allocated (the sum of live
 reservations) and allocatable = capacity - reserved - allocated, never
 negative. A lane that is unhealthy, unknown, lost or drained adds nothing to
 allocatable. A request is granted all or nothing; refusals carry a typed
@@ -106,6 +106,9 @@ class Ledger:
         self._vram_allocated = dict.fromkeys(self._lanes, 0)
         self._holders = dict.fromkeys(self._lanes, 0)
         self._exclusive: set[str] = set()
+        # Device memory each lane's own host (its sentinel) holds for itself, as its
+        # hello reported it: its CUDA context. Kept back with the headroom.
+        self._host_reserved: dict[str, int] = {}
 
     # -- lanes: health and drain -------------------------------------------------
     def lanes(self) -> tuple[Lane, ...]:
@@ -196,8 +199,25 @@ class Ledger:
             and self._health[lane_id] in ALLOCATABLE_STATES
         )
 
+    def set_host_reserved(self, lane_id: str, nbytes: int) -> None:
+        """The device memory the lane's own host holds for itself (its CUDA context,
+        measured at its start; 0 while it has none): reserved on the lane beside the
+        headroom, so what is allocatable is what the device can still give."""
+        self._require_lane(lane_id)
+        if nbytes > 0:
+            self._host_reserved[lane_id] = nbytes
+        else:
+            self._host_reserved.pop(lane_id, None)
+
+    def host_reserved(self, lane_id: str) -> int:
+        return self._host_reserved.get(lane_id, 0)
+
+    def _vram_reserved(self, lane: Lane) -> int:
+        kept = self.vram_headroom + self._host_reserved.get(lane.lane_id, 0)
+        return min(kept, lane.vram_bytes)
+
     def _vram_free(self, lane: Lane) -> int:
-        reserved = min(self.vram_headroom, lane.vram_bytes)
+        reserved = self._vram_reserved(lane)
         return max(0, lane.vram_bytes - reserved - self._vram_allocated[lane.lane_id])
 
     # -- reservations ------------------------------------------------------------
@@ -314,7 +334,7 @@ class Ledger:
                     device_id=lane.device_id,
                     vram=_amounts(
                         lane.vram_bytes,
-                        min(self.vram_headroom, lane.vram_bytes),
+                        self._vram_reserved(lane),
                         self._vram_allocated[lid],
                         available,
                     ),

@@ -139,6 +139,8 @@ def _announce_dev(url: str, daemon: Any) -> None:
     print(f"  devices:      {_devices_line(daemon.machine.inventory)}", file=sys.stderr)
     print(f"  state folder: {daemon.config.state_dir}", file=sys.stderr)
     print(f"  guest cwd:    {_cwd_line(daemon.config)}", file=sys.stderr)
+    if daemon.guests is not None:
+        print(f"  guest uids:   {daemon.guests.identity}", file=sys.stderr)
     print(f"  try:          {_client_call(daemon.config)} run -- sleep 2", file=sys.stderr)
     print("  Ctrl-C stops (a second Ctrl-C stops at once)\n", file=sys.stderr, flush=True)
 

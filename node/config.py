@@ -100,6 +100,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guest_cwd_roots: tuple[str, ...]
     guest_writable_roots: tuple[str, ...]
     guest_host_network: bool
+    guest_subuids: bool
     logs_max_bytes: int
     logs_total_bytes: int
     logs_retention: float

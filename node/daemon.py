@@ -144,6 +144,8 @@ class Daemon:
         )
         self.machine: Machine | None = None
         self.supervisor: Supervisor | None = None
+        # How guests are confined here (dev's banner says who they run as).
+        self.guests: GuestSetup | None = None
         self.telemetry: TelemetryPusher | None = None
         self._handle_signals = handle_signals
         self._pynvml = pynvml_module
@@ -234,6 +236,8 @@ class Daemon:
             with trio.move_on_after(10, shield=True):
                 if self.machine is not None:
                     await self.machine.aclose()
+            if self.guests is not None:
+                self.guests.close()  # the guests' user namespace, where there is one
 
     async def _start_components(self, nursery: trio.Nursery) -> None:
         config = self.config
@@ -257,7 +261,7 @@ class Daemon:
                 self.readiness.block("devices", reason)
             else:
                 self.readiness.note("devices", reason)
-        guests = await self._open_guests(state_dir)
+        self.guests = guests = await self._open_guests(state_dir)
         logs = await self._open_logs(state_dir)
         nursery.start_soon(logs.run)
         notes = tuple(guests.notes)

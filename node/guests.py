@@ -2,7 +2,11 @@
 
 Decided once, before the supervisor starts: whether the daemon can give each
 guest its own uid (the uid round resumed where the last run left it, uids that
-something still runs under held back), whether the sandbox tool works here (a
+something still runs under held back): as root or with CAP_SETUID and CAP_SETGID
+from `--guest-uids`; in `dev` run by a normal user from its subordinate uids
+(`/etc/subuid`, `/etc/subgid`) mapped into a user namespace made here, or, where it
+has none (or the helpers are missing, or a guest cannot start so), not at all,
+said as a `dev_guests_share_uid` note; whether the sandbox tool works here (a
 real run of it, as a guest uid), and the folder that holds the node's Unix
 socket and the guests' token files (any a killed daemon left are removed), the
 roots a guest's cwd must lie under (said as a note: in `serve` none by default,
@@ -39,15 +43,36 @@ from supervisor.identity import (
     parse_uid_range,
     running_uids,
 )
-from supervisor.launch import plan
+from supervisor.launch import find_nsenter, plan
 from supervisor.sandbox import SandboxSpec, SandboxUnavailable, find_bwrap
+from supervisor.subuids import (
+    SUBGID_FILE,
+    SUBUID_FILE,
+    GuestUserns,
+    SubidsUnavailable,
+    find_subid_tools,
+    guest_subids,
+    open_guest_userns,
+)
 
-__all__ = ["GuestSetup", "GuestSetupError", "default_run_dir", "open_guest_setup"]
+__all__ = [
+    "OWN_UIDS_NOTE",
+    "SHARED_UID_NOTE",
+    "GuestSetup",
+    "GuestSetupError",
+    "default_run_dir",
+    "open_guest_setup",
+]
 
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "node.sock"
 SELF_TEST_SECONDS = 10.0
+# The uid round over a normal user's subordinate uids, apart from --guest-uids' own.
+SUBUID_CURSOR_FILENAME = "guest-subuid-cursor"
+# What a `dev` run by a normal user says of its guests' uids (a note's first word).
+OWN_UIDS_NOTE = "dev_guests_own_uids"
+SHARED_UID_NOTE = "dev_guests_share_uid"
 
 
 class GuestSetupError(Exception):
@@ -62,13 +87,22 @@ class GuestSetup:
     # Set when process work is refused: the reason /readyz gives.
     blocked: str | None = None
     socket: socket.socket | None = None
+    # Who guests run as, in words (dev's banner).
+    identity: str = ""
+
+    def close(self) -> None:
+        """Let go of the guests' user namespace (once the daemon has stopped)."""
+        if self.policy.userns is not None:
+            self.policy.userns.close()
 
 
-def default_run_dir(*, dev: bool) -> pathlib.Path:
+def default_run_dir(*, dev: bool, own_uids: bool = False) -> pathlib.Path:
+    """`own_uids`: a `dev` whose guests have subordinate uids, which cannot enter the
+    user's 0700 runtime folder to reach the node's socket."""
     if not dev:
         return pathlib.Path("/run/litegraph-node")
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime.startswith("/"):
+    if runtime.startswith("/") and not own_uids:
         return pathlib.Path(runtime) / "litegraph-node"
     return pathlib.Path(f"/tmp/litegraph-node-{os.geteuid()}")  # noqa: S108 - checked below
 
@@ -95,7 +129,9 @@ def _prepare_run_dir(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _uid_pool(uid_range: range, state_dir: pathlib.Path) -> UidPool:
+def _uid_pool(
+    uid_range: range, state_dir: pathlib.Path, cursor: str = UID_CURSOR_FILENAME
+) -> UidPool:
     """The pool, resumed from its cursor; uids some process still runs under are held."""
     held = running_uids(uid_range)
     if held:
@@ -106,19 +142,32 @@ def _uid_pool(uid_range: range, state_dir: pathlib.Path) -> UidPool:
             ", ".join(map(str, sorted(held)[:5])),
         )
     try:
-        return UidPool(uid_range, cursor=UidCursor(state_dir / UID_CURSOR_FILENAME), held=held)
+        return UidPool(uid_range, cursor=UidCursor(state_dir / cursor), held=held)
     except UidCursorError as exc:
         raise GuestSetupError(
             f"guest uid cursor: {exc} (move it aside to start the round again)"
         ) from exc
 
 
-async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
-    """Run `true` in a sandbox the way a guest starts (its gate, setpriv or the
-    in-child uid drop, bwrap); None when it works, else why not."""
+async def _sandbox_works(
+    bwrap: pathlib.Path,
+    uid: int | None,
+    userns: GuestUserns | None = None,
+    node_socket: pathlib.Path | None = None,
+) -> str | None:
+    """Run `true` in a sandbox the way a guest starts (its gate, setpriv, nsenter into
+    the guests' user namespace or the in-child uid drop, bwrap); None when it works,
+    else why not. With `node_socket`, bound as every guest's is (a subordinate uid
+    must reach it)."""
     true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
     # A sized /tmp as every guest gets: a bwrap without --size fails here, not per guest.
-    sandbox = SandboxSpec(bwrap=bwrap, isolate_network=True, tmp_bytes=2**20)
+    sandbox = SandboxSpec(
+        bwrap=bwrap,
+        isolate_network=True,
+        tmp_bytes=2**20,
+        node_socket=node_socket,
+        userns_fd=None if userns is None else userns.fd,
+    )
     try:
         with trio.fail_after(SELF_TEST_SECONDS):
             launch = await trio.to_thread.run_sync(
@@ -146,7 +195,11 @@ async def _sandbox_works(bwrap: pathlib.Path, uid: int | None) -> str | None:
 
 
 async def _usable_sandbox(
-    tool: str, uids: UidPool | None, problems: list[str]
+    tool: str,
+    uids: UidPool | None,
+    problems: list[str],
+    userns: GuestUserns | None = None,
+    node_socket: pathlib.Path | None = None,
 ) -> pathlib.Path | None:
     """The sandbox tool once a run of it as a guest uid worked; else None and why in `problems`."""
     try:
@@ -160,7 +213,7 @@ async def _usable_sandbox(
         problems.append(f"guest uid cursor not saved: {exc}")
         return bwrap
     try:
-        failure = await _sandbox_works(bwrap, probe_uid)
+        failure = await _sandbox_works(bwrap, probe_uid, userns, node_socket)
     finally:
         if uids is not None and probe_uid is not None:
             uids.release(probe_uid)
@@ -205,20 +258,83 @@ def _cwd_roots(
     return roots
 
 
+def _own_name() -> str | None:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return None
+
+
 def _own_user() -> str:
     uid = os.geteuid()
+    name = _own_name()
+    return f"{name} (uid {uid})" if name else f"uid {uid}"
+
+
+def _shared_uid_note(reason: str) -> str:
+    """What `dev` says when its guests share its uid, and why (`reason`)."""
+    name = _own_name() or str(os.geteuid())
+    return (
+        f"{SHARED_UID_NOTE}: {reason}, so guests run as the daemon's own user {_own_user()}, "
+        "which cannot switch users (not root, no CAP_SETUID and CAP_SETGID): a guest may "
+        "read, change or remove what another wrote in a writable root, and a guest's token "
+        "is a bearer token for every process of that user; each guest is still sandboxed "
+        "(its own pid and mount namespaces, the state folder hidden). Ranges for "
+        f"{name} in /etc/subuid and /etc/subgid, with newuidmap and newgidmap (uidmap), "
+        "give each guest a uid of its own"
+    )
+
+
+def _own_uids_note(ids: range) -> str:
+    name = _own_name() or str(os.geteuid())
+    return (
+        f"{OWN_UIDS_NOTE}: each running guest has a uid of its own, one of {name}'s "
+        f"subordinate uids {ids.start}-{ids.stop - 1} (/etc/subuid, /etc/subgid), with "
+        "no supplementary group: guests cannot read each other's files or signal each "
+        "other; a guest reaches only the host folders other users may (a cwd under a "
+        f"folder only {name} may enter is refused) and writes in a writable root only "
+        f"where other users may; --no-guest-subuids runs guests as {name}"
+    )
+
+
+async def _subordinate_uids(
+    config: Config, state_dir: pathlib.Path
+) -> tuple[UidPool, GuestUserns] | str:
+    """A pool over the user's subordinate uids and the user namespace they are mapped
+    in; or why there are none (for the note)."""
+    if not config.guest_subuids:
+        return "--no-guest-subuids was given"
     try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+        # This module's names, read now: tests point them at files of their own.
+        ids = guest_subids(
+            _own_name(),
+            os.geteuid(),
+            os.getegid(),
+            subuid_file=SUBUID_FILE,
+            subgid_file=SUBGID_FILE,
+        )
+        if len(ids) < config.max_running:
+            raise SubidsUnavailable(
+                f"the subordinate uids {ids.start}-{ids.stop - 1} are fewer than "
+                f"--max-running {config.max_running}"
+            )
+        tools = find_subid_tools()
+        if find_nsenter() is None:
+            raise SubidsUnavailable("nsenter not found (install util-linux)")
+        pool = _uid_pool(ids, state_dir, SUBUID_CURSOR_FILENAME)
+        # Not cancellable: the namespace made is returned, never lost to a cancel.
+        userns = await trio.to_thread.run_sync(open_guest_userns, ids, tools)
+    except SubidsUnavailable as exc:
+        return str(exc)
+    return pool, userns
 
 
-async def open_guest_setup(
-    config: Config, *, dev: bool, state_dir: pathlib.Path, auth_path: pathlib.Path
-) -> GuestSetup:
-    uids: UidPool | None = None
-    notes: list[str] = []
-    problems: list[str] = []
+async def _guest_uids(
+    config: Config, *, dev: bool, state_dir: pathlib.Path, problems: list[str]
+) -> tuple[UidPool | None, GuestUserns | None, str | None]:
+    """Where each guest's uid comes from: `--guest-uids` where the daemon can switch
+    users, in `dev` its subordinate uids; (None, None, why) where `dev`'s guests share
+    its uid."""
     if can_switch_users():
         uid_range = parse_uid_range(config.guest_uids)
         if len(uid_range) < config.max_running:
@@ -226,15 +342,71 @@ async def open_guest_setup(
                 f"--guest-uids has {len(uid_range)} uids, fewer than --max-running "
                 f"{config.max_running}"
             )
-        uids = _uid_pool(uid_range, state_dir)
-    else:
-        text = (
+        return _uid_pool(uid_range, state_dir), None, None
+    if not dev:
+        problems.append(
             f"guests run as the daemon's own user {_own_user()}: it cannot switch users "
             "(not root, no CAP_SETUID and CAP_SETGID), so guests can read each other's "
             "environment and signal each other; the sandbox still hides the state folder"
         )
-        (notes if dev else problems).append(text)
-    bwrap = await _usable_sandbox(config.sandbox_tool, uids, problems)
+        return None, None, None
+    found = await _subordinate_uids(config, state_dir)
+    if isinstance(found, str):
+        return None, None, found
+    return *found, None
+
+
+def _identity(
+    uids: UidPool | None, userns: GuestUserns | None, shared: str | None, config: Config
+) -> str:
+    if userns is not None:
+        ids = userns.ids
+        return f"one each of your subordinate uids {ids.start}-{ids.stop - 1} (/etc/subuid)"
+    if uids is not None:
+        return f"one each from {config.guest_uids} (--guest-uids)"
+    return f"all as you, {_own_user()}: {shared or 'cannot switch users'} ({SHARED_UID_NOTE})"
+
+
+async def open_guest_setup(
+    config: Config, *, dev: bool, state_dir: pathlib.Path, auth_path: pathlib.Path
+) -> GuestSetup:
+    notes: list[str] = []
+    problems: list[str] = []
+    uids, userns, shared = await _guest_uids(
+        config, dev=dev, state_dir=state_dir, problems=problems
+    )
+    sock: socket.socket | None = None
+    try:
+        # Guests with subordinate uids must reach the run dir: not the 0700 runtime folder.
+        default = default_run_dir(dev=dev, own_uids=userns is not None)
+        run_dir = _prepare_run_dir(
+            pathlib.Path(config.guest_run_dir) if config.guest_run_dir else default
+        )
+        try:
+            sock = bind_unix_socket(run_dir / SOCKET_NAME)
+        except OSError as exc:
+            raise GuestSetupError(f"guest socket in {run_dir}: {exc}") from exc
+        tried: list[str] = []
+        # A guest under a subordinate uid must also reach the node's socket: bound here.
+        socket_path = None if userns is None else run_dir / SOCKET_NAME
+        bwrap = await _usable_sandbox(config.sandbox_tool, uids, tried, userns, socket_path)
+        if tried and userns is not None:
+            # Not with a subordinate uid: guests share the daemon's, if the sandbox works so.
+            shared = "a guest could not start under a subordinate uid: " + "; ".join(tried)
+            userns.close()
+            uids, userns, tried = None, None, []
+            bwrap = await _usable_sandbox(config.sandbox_tool, None, tried)
+        problems += tried
+        if userns is not None:
+            notes.append(_own_uids_note(userns.ids))
+        elif shared is not None:
+            notes.append(_shared_uid_note(shared))
+    except BaseException:
+        if userns is not None:
+            userns.close()
+        if sock is not None:
+            sock.close()
+        raise
     found = system_cgroups()
     cgroups = found if isinstance(found, Cgroups) else None
     if isinstance(found, CgroupsUnavailable):
@@ -244,13 +416,6 @@ async def open_guest_setup(
         notes += [f"{p} (running guests anyway: --allow-unconfined-guests)" for p in problems]
     elif problems:
         blocked = "process work refused: " + "; ".join(problems)
-    run_dir = _prepare_run_dir(
-        pathlib.Path(config.guest_run_dir) if config.guest_run_dir else default_run_dir(dev=dev)
-    )
-    try:
-        sock = bind_unix_socket(run_dir / SOCKET_NAME)
-    except OSError as exc:
-        raise GuestSetupError(f"guest socket in {run_dir}: {exc}") from exc
     writable = _writable_roots(config, notes)
     policy = GuestPolicy(
         bwrap=bwrap,
@@ -266,6 +431,7 @@ async def open_guest_setup(
         writable_roots=writable,
         cwd_roots=_cwd_roots(config, writable, notes),
         host_network=config.guest_host_network,
+        userns=userns,
     )
     if config.guest_host_network:
         notes.append(
@@ -276,4 +442,10 @@ async def open_guest_setup(
         log.warning("%s", note)
     if blocked:
         log.error("%s", blocked)
-    return GuestSetup(policy=policy, notes=notes, blocked=blocked, socket=sock)
+    return GuestSetup(
+        policy=policy,
+        notes=notes,
+        blocked=blocked,
+        socket=sock,
+        identity=_identity(uids, userns, shared, config),
+    )

@@ -28,6 +28,7 @@ from supervisor.guest_cwd import SANDBOX_PLACES, Protected, open_cwd
 from supervisor.identity import UidPool
 from supervisor.process import ProcessStuck
 from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
+from supervisor.subuids import GuestUserns
 from supervisor.wire import GuestNetwork
 
 __all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session", "remove_stale_tokens"]
@@ -75,6 +76,9 @@ class GuestPolicy:
     # Whether a guest that asks for it may have the host's network namespace
     # (`--guest-host-network`); otherwise every guest has its own, loopback only.
     host_network: bool = False
+    # A daemon that is not root: the user namespace its subordinate uids are mapped in,
+    # entered by each guest to take its uid from `uids` (`supervisor/subuids.py`).
+    userns: GuestUserns | None = None
 
     @classmethod
     def unconfined(cls, state_dir: Path) -> GuestPolicy:
@@ -296,6 +300,7 @@ def _session(
         cwd_writable=writable,
         masked=policy.secrets(),
         tmp_bytes=memory_bytes,
+        userns_fd=None if policy.userns is None or uid is None else policy.userns.fd,
     )
     return GuestSession(
         uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max, network=network

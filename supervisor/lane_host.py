@@ -2,7 +2,10 @@
 
 `LaneHost` starts the host with the lane's environment (its device in
 `CUDA_VISIBLE_DEVICES`, none for the CPU pool), greets it, and then sends one
-request at a time, each under its own deadline. The host is trusted code but
+request at a time, each under its own deadline. A host given a device must
+keep its buffers with CuPy: one that refuses its hello `cuda_unavailable`, or
+answers with NumPy, fails with that reason, and its lane is never served from
+host memory. A sticky device error (`device_failed`) ends the host too. The host is trusted code but
 still a process that can crash, hang or garble: any of those raises
 `LaneHostFailed` and the host is killed, so a `LaneHost` never stays half
 alive. A request the host refuses raises `LaneHostError` with the protocol's
@@ -25,6 +28,7 @@ from typing import Literal, NoReturn, TypeVar
 import msgspec
 import trio
 
+from lanehost.backend import ArrayBackend
 from lanehost.protocol import (
     PROTOCOL_VERSION,
     Alloc,
@@ -78,6 +82,8 @@ log = logging.getLogger(__name__)
 
 _R = TypeVar("_R", bound=Reply)
 
+Backend = Literal["auto", "numpy", "cupy"]
+
 
 def request_frames(request: Request) -> list[bytes | memoryview]:
     """The bytes of one request's frame. A request that does not encode - a value
@@ -100,7 +106,7 @@ class LaneHost:
         memory_bytes: int,
         *,
         visible_devices: Sequence[str] = (),
-        backend: Literal["auto", "numpy", "cupy"] = "auto",
+        backend: Backend = "auto",
         command: Sequence[str] = DEFAULT_COMMAND,
         env: Mapping[str, str] | None = None,
         start_timeout: float = 30.0,
@@ -109,6 +115,11 @@ class LaneHost:
     ) -> None:
         self.lane_id = lane_id
         self.memory_bytes = memory_bytes
+        # What the host must keep its buffers with: `auto` is CuPy on a device, NumPy
+        # without one. A host that answers otherwise is refused (`start`).
+        self.backend: ArrayBackend = (
+            ("cupy" if visible_devices else "numpy") if backend == "auto" else backend
+        )
         self._argv = [
             *command,
             "--lane-id",
@@ -116,7 +127,7 @@ class LaneHost:
             "--memory-bytes",
             str(memory_bytes),
             "--backend",
-            backend,
+            self.backend,
         ]
         self._env = host_environment(visible_devices, env or {}, os.environ)
         self._start_timeout = start_timeout
@@ -163,18 +174,28 @@ class LaneHost:
             try:
                 reply = await self._exchange(hello, HelloReply, self._start_timeout)
             except LaneHostError as exc:
+                if exc.code == "cuda_unavailable":
+                    await self._fail("cuda_unavailable", exc.message)
                 await self._fail("protocol", f"hello refused: {exc}")
             if reply.version != PROTOCOL_VERSION:
                 await self._fail("version", f"host speaks version {reply.version}")
             if reply.memory_total != self.memory_bytes:
                 await self._fail("protocol", f"host reports a budget of {reply.memory_total}")
+            if reply.backend != self.backend:
+                # Never a device lane served from host memory, whatever the host command.
+                reason: FailureReason = "cuda_unavailable" if self.backend == "cupy" else "protocol"
+                await self._fail(
+                    reason, f"the host keeps its buffers with {reply.backend}, not {self.backend}"
+                )
             self._hello = reply
             log.info(
-                "lane host for %s: pid %s, %s on %s",
+                "lane host for %s: pid %s, %s on %s, %d of %d bytes reserved by the host",
                 self.lane_id,
                 self.pid,
                 reply.backend,
                 reply.device,
+                reply.memory_reserved,
+                reply.memory_total,
             )
             return reply
 
@@ -302,6 +323,8 @@ class LaneHost:
         if isinstance(reply, ErrorReply) and reply.id in (0, request.id):
             if reply.code == "unsupported_version":
                 await self._fail("version", reply.message)
+            if reply.code == "device_failed":  # the host exits: its context is dead
+                await self._fail("device_failed", reply.message)
             if reply.code in ("frame_too_large", "bad_request") and reply.id == 0:
                 await self._fail("protocol", f"{reply.code}: {reply.message}")
             raise LaneHostError(reply.code, reply.message)
@@ -340,25 +363,32 @@ class LaneHost:
             await self._process.end(graceful=graceful, close_timeout=self._close_timeout)
 
 
-Backend = Literal["auto", "numpy", "cupy"]
-
-
 def lane_host_factory(
-    command: Sequence[str] = (), *, backend: Backend = "auto", op_timeout: float = 30.0
+    command: Sequence[str] = (),
+    *,
+    backend: Backend = "auto",
+    op_timeout: float = 30.0,
+    env: Mapping[str, str] | None = None,
 ) -> Callable[[Lane], LaneHost]:
     """How the daemon makes a lane's host: `command` (empty: the built-in one), the
     lane's own device only, and the lane's VRAM as its budget (a CPU lane's is 0:
-    it holds no buffers, and its tokens grant only `execute`)."""
+    it holds no buffers, and its tokens grant only `execute`). `backend` `auto` is
+    the lane's own (`Lane.array_backend`: CuPy on a real GPU or MIG instance, NumPy
+    on simulated lanes); a lane without a device always gets NumPy. `env`: more
+    variables for every host (the daemon's CuPy cache folder)."""
     argv = tuple(command) or DEFAULT_COMMAND
+    extra = dict(env or {})
 
     def make(lane: Lane) -> LaneHost:
         devices = (lane.visible_uuid,) if lane.visible_uuid else ()
+        chosen: Backend = lane.array_backend if backend == "auto" else backend
         return LaneHost(
             lane.lane_id,
             lane.vram_bytes,
             visible_devices=devices,
-            backend=backend,
+            backend=chosen if devices else "numpy",
             command=argv,
+            env=extra,
             op_timeout=op_timeout,
         )
 

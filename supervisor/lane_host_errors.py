@@ -8,7 +8,19 @@ from typing import Literal
 
 __all__ = ["FailureReason", "LaneHostError", "LaneHostFailed"]
 
-FailureReason = Literal["start_failed", "version", "crashed", "protocol", "timeout", "closed"]
+FailureReason = Literal[
+    "start_failed",
+    "version",
+    "crashed",
+    "protocol",
+    "timeout",
+    "closed",
+    # The host was given a CUDA device and cannot run CUDA kernels on it (it refused
+    # its hello, or answered with host memory): the lane never computes on the CPU.
+    "cuda_unavailable",
+    # A sticky device error ended the request and the host (its context is dead).
+    "device_failed",
+]
 
 
 class LaneHostFailed(Exception):

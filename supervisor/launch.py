@@ -17,6 +17,13 @@ they get an empty environment: the guest's own reaches bwrap through a memfd
 (`--args`: `--clearenv`, then `--setenv` each), never through a command line,
 which every local user can read.
 
+A daemon that is not root takes a guest's uid another way: its subordinate uids
+are mapped into one user namespace (`supervisor/subuids.py`), and after the gate
+nsenter (util-linux) enters it, drops the supplementary groups and takes the
+guest's uid and gid there (`userns_entry`); its exec of bwrap leaves the guest no
+capability either. That needs nsenter and a bwrap with `--clearenv`: there is no
+other way in (`SandboxUnavailable` otherwise; the start-up probe falls back).
+
 Where that cannot be done (no setpriv, a bwrap without `--clearenv`, or a guest
 with a uid of its own but no sandbox, whose environment would reach the gate),
 the daemon forks in full and the child joins its cgroups, sets its limits and
@@ -38,9 +45,18 @@ from pathlib import Path
 
 from machine.cgroups import InvocationCgroup
 from supervisor.identity import become
-from supervisor.sandbox import SandboxSpec, bwrap_argv
+from supervisor.sandbox import SandboxSpec, SandboxUnavailable, bwrap_argv
 
-__all__ = ["GATE_SHELL", "Launch", "bwrap_takes_env", "find_setpriv", "plan", "uid_drop"]
+__all__ = [
+    "GATE_SHELL",
+    "Launch",
+    "bwrap_takes_env",
+    "find_nsenter",
+    "find_setpriv",
+    "plan",
+    "uid_drop",
+    "userns_entry",
+]
 
 GATE_SHELL = (
     "/bin/sh",
@@ -56,6 +72,11 @@ _PROBE_SECONDS = 5.0
 @functools.cache
 def find_setpriv() -> str | None:
     return shutil.which("setpriv", path=_SYSTEM_PATH)
+
+
+@functools.cache
+def find_nsenter() -> str | None:
+    return shutil.which("nsenter", path=_SYSTEM_PATH)
 
 
 @functools.cache
@@ -84,6 +105,19 @@ def uid_drop(setpriv: str, uid: int) -> list[str]:
         "--clear-groups",
         "--inh-caps=-all",
         "--ambient-caps=-all",
+        "--",
+    ]
+
+
+def userns_entry(nsenter: str, userns_fd: int, uid: int) -> list[str]:
+    """nsenter's command line that enters the user namespace open as `userns_fd`
+    (inherited), drops every supplementary group, takes `uid` and the gid of that
+    number there, then execs the rest (which starts with no capability)."""
+    return [
+        nsenter,
+        f"--user=/proc/self/fd/{userns_fd}",
+        f"--setuid={uid}",
+        f"--setgid={uid}",
         "--",
     ]
 
@@ -168,6 +202,16 @@ def _preexec(
     return setup
 
 
+def _userns_entry(bwrap: Path, userns_fd: int, uid: int | None) -> list[str]:
+    nsenter = find_nsenter()
+    if uid is None or nsenter is None or not bwrap_takes_env(bwrap):
+        raise SandboxUnavailable(
+            "a guest takes a subordinate uid only with a uid, nsenter (util-linux) and "
+            "a bwrap with --clearenv"
+        )
+    return userns_entry(nsenter, userns_fd, uid)
+
+
 def plan(
     argv: Sequence[str],
     *,
@@ -187,17 +231,25 @@ def plan(
     if sandbox is None:
         hook = _preexec(affinity, rlimit_as, join() if join else None, uid)
         return Launch([*GATE_SHELL, *argv], dict(env), preexec_fn=hook)
-    setpriv = find_setpriv() if uid is not None else None
-    # The launch's own copies of the cwd's and the tokens' descriptors, closed with it;
-    # the caller's stay.
+    setpriv = find_setpriv() if uid is not None and sandbox.userns_fd is None else None
+    # The launch's own copies of the cwd's, the tokens' and the user namespace's
+    # descriptors, closed with it; the caller's stay.
     cwd_fd = None if sandbox.cwd_fd is None else os.dup(sandbox.cwd_fd)
     fds: tuple[int, ...] = () if cwd_fd is None else (cwd_fd,)
     try:
         token_fd = None if sandbox.token_fd is None else os.dup(sandbox.token_fd)
         fds += () if token_fd is None else (token_fd,)
-        sandbox = dataclasses.replace(sandbox, cwd_fd=cwd_fd, token_fd=token_fd)
-        if (uid is None or setpriv is not None) and bwrap_takes_env(sandbox.bwrap):
+        userns_fd = None if sandbox.userns_fd is None else os.dup(sandbox.userns_fd)
+        fds += () if userns_fd is None else (userns_fd,)
+        sandbox = dataclasses.replace(
+            sandbox, cwd_fd=cwd_fd, token_fd=token_fd, userns_fd=userns_fd
+        )
+        drop: list[str] | None = None
+        if userns_fd is not None:
+            drop = _userns_entry(sandbox.bwrap, userns_fd, uid)
+        elif (uid is None or setpriv is not None) and bwrap_takes_env(sandbox.bwrap):
             drop = [] if setpriv is None or uid is None else uid_drop(setpriv, uid)
+        if drop is not None:
             env_fd = _env_fd(env)
             fds = (env_fd, *fds)
             command = bwrap_argv(sandbox, argv, env_fd=env_fd)

@@ -2,9 +2,12 @@
 
 bubblewrap (`bwrap`) is started as the guest's own uid, so the user namespace
 it makes maps that uid to itself: the guest runs with no capabilities and as
-a real, unprivileged host uid. Inside: new pid, mount, ipc, uts (and cgroup)
-namespaces; /usr and /etc read-only; a private /proc, a minimal /dev, a
-private /tmp; nothing of the daemon's state dir or of other guests' files.
+a real, unprivileged host uid. A daemon that is not root takes a subordinate uid
+for it first by entering the guests' user namespace (`userns_fd`,
+`supervisor/subuids.py`); bwrap then nests its own namespace there the same way.
+Inside: new pid, mount, ipc, uts (and cgroup) namespaces; /usr and /etc
+read-only; a private /proc, a minimal /dev, a private /tmp; nothing of the
+daemon's state dir or of other guests' files.
 `--die-with-parent` ends the sandbox when the daemon dies.
 
 Writes: the private /tmp is a tmpfs no larger than the guest's memory grant,
@@ -104,6 +107,9 @@ class SandboxSpec:
     masked: tuple[Path, ...] = ()
     # The private /tmp's size (the memory grant); None: the kernel's default.
     tmp_bytes: int | None = None
+    # The guests' user namespace (a daemon that is not root: its subordinate uids),
+    # entered to take the guest's uid before bwrap runs (`supervisor/launch.py`).
+    userns_fd: int | None = None
 
 
 def _system_mounts() -> list[str]:
