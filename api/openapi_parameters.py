@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.listing import CURSOR_PATTERN, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
-from supervisor.wire import InvocationState
+from supervisor.listing import (
+    CURSOR_PATTERN,
+    DEFAULT_LIST_LIMIT,
+    MAX_LABEL_FILTERS,
+    MAX_LIST_LIMIT,
+)
+from supervisor.wire import LABEL_KEY_PATTERN, MAX_LABEL_VALUE, InvocationState
 
 __all__ = [
     "INVOCATION_ID_PATTERN",
@@ -45,6 +50,26 @@ def list_parameters() -> list[dict[str, Any]]:
             "style": "form",
             "explode": True,
             "schema": {"type": "array", "items": {"type": "string", "enum": states}},
+        },
+        {
+            "name": "label",
+            "in": "query",
+            "required": False,
+            "description": (
+                "Only invocations whose `labels` hold this `key=value` (split at the first"
+                f" `=`); repeat it (at most {MAX_LABEL_FILTERS} times) for several, all of"
+                " which must hold. A bad one is 400 `invalid_label`."
+            ),
+            "style": "form",
+            "explode": True,
+            "schema": {
+                "type": "array",
+                "maxItems": MAX_LABEL_FILTERS,
+                "items": {
+                    "type": "string",
+                    "pattern": LABEL_KEY_PATTERN.removesuffix("$") + f"=.{{0,{MAX_LABEL_VALUE}}}$",
+                },
+            },
         },
         {
             "name": "limit",

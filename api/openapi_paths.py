@@ -147,8 +147,10 @@ def openapi_paths(ref: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[
                     " first (by submission time, then id). Pass `next_cursor` back as"
                     " `cursor` for the next page: a page starts right after the last item"
                     " of the one before, so paging never repeats nor skips an invocation,"
-                    " however many are submitted meanwhile. A bad `state`, `limit` or"
-                    " `cursor` (or an unknown parameter) is 400 with a typed code."
+                    " however many are submitted meanwhile. `state` and `label` filter"
+                    " (`label=team=ml`: its `labels` hold `team` = `ml`). A bad `state`,"
+                    " `label`, `limit` or `cursor` (or an unknown parameter) is 400 with a"
+                    " typed code."
                 ),
                 "parameters": list_parameters(),
                 "responses": responses(200, json_of["list"], (400, *auth)),

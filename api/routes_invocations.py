@@ -25,11 +25,19 @@ from api.http import (
 from api.responses import json_response
 from supervisor.admission import AdmissionRefused
 from supervisor.core import Supervisor, UnknownInvocation
-from supervisor.listing import MAX_LIST_LIMIT, InvalidCursor, ListQuery, decode_cursor
+from supervisor.listing import (
+    MAX_LABEL_FILTERS,
+    MAX_LIST_LIMIT,
+    InvalidCursor,
+    ListQuery,
+    decode_cursor,
+)
 from supervisor.logread import read_log
 from supervisor.logstore import STREAMS, InvocationLogs
 from supervisor.wire import (
     INVOCATION_ID,
+    LABEL_KEY,
+    MAX_LABEL_VALUE,
     BatchItem,
     BatchItemError,
     BatchReply,
@@ -45,7 +53,7 @@ __all__ = ["MAX_LOG_READERS", "register_invocation_routes"]
 MAX_LOG_READERS = 256
 _MAX_OFFSET = 2**62
 
-LIST_PARAMETERS = frozenset({"state", "limit", "cursor"})
+LIST_PARAMETERS = frozenset({"state", "label", "limit", "cursor"})
 _LIMIT = re.compile(r"[0-9]{1,4}")
 _ACTIVE = frozenset({InvocationState.queued, InvocationState.running})
 
@@ -55,6 +63,30 @@ def _one(name: str) -> str | None:
     if len(values) > 1:
         raise ApiError(400, f"invalid_{name}", f"give {name} at most once", {"field": name})
     return values[0] if values else None
+
+
+def _label_filters() -> tuple[tuple[str, str], ...]:
+    """`label=key=value`, repeated: the labels an invocation must all hold."""
+    values = request.args.getlist("label")
+    if len(values) > MAX_LABEL_FILTERS:
+        raise ApiError(
+            400,
+            "invalid_label",
+            f"give label at most {MAX_LABEL_FILTERS} times",
+            {"field": "label", "max": MAX_LABEL_FILTERS},
+        )
+    wanted: set[tuple[str, str]] = set()
+    for text in values:
+        key, equals, value = text.partition("=")
+        if not equals or not LABEL_KEY.fullmatch(key) or len(value) > MAX_LABEL_VALUE:
+            raise ApiError(
+                400,
+                "invalid_label",
+                f"label is key=value: a label key, then at most {MAX_LABEL_VALUE} characters",
+                {"field": "label"},
+            )
+        wanted.add((key, value))
+    return tuple(sorted(wanted))
 
 
 def list_query() -> ListQuery:
@@ -91,7 +123,7 @@ def list_query() -> ListQuery:
         after = None if cursor is None else decode_cursor(cursor)
     except InvalidCursor as exc:
         raise ApiError(400, "invalid_cursor", str(exc), {"field": "cursor"}) from None
-    query = ListQuery(states=frozenset(states) or None, after=after)
+    query = ListQuery(states=frozenset(states) or None, labels=_label_filters(), after=after)
     return query if limit is None else msgspec.structs.replace(query, limit=int(limit))
 
 

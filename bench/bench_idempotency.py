@@ -3,10 +3,11 @@
 - no-op submissions in process (`bench_throughput.in_process`: 64 concurrent
   clients, each submitting a builtin `echo` and waiting for it to end, the
   journal fsync'd on disk) with the on-disk index of ended invocations (SQLite,
-  `machine/ended_index.py`) already holding PREFILL ids, against the same with the endings kept in a dict in memory, as
-  the node kept its newest 4,096 before. In process is the strict comparison: the
-  index costs the same microseconds per invocation through the HTTP API, where
-  each invocation takes longer, so its share there is smaller;
+  `machine/ended_index.py`) already holding PREFILL ids, against the same with
+  the endings kept in a dict in memory, as the node kept its newest 4,096
+  before. In process is the strict comparison: the index costs the same
+  microseconds per invocation through the HTTP API, where each invocation takes
+  longer, so its share there is smaller;
 - the index's own costs: a lookup of an id it does not hold (every new
   submission makes one) and an ending added (a compaction adds them in bulk).
 

@@ -43,6 +43,8 @@ WINDOW_S = 24 * 3600.0
 MAX_IDS = 1_000_000
 _BUSY_MS = 5000  # a reader never blocks a WAL writer; this bounds a stray lock
 
+# Rows are added in rowid order (a new rowid is the largest yet) and node time only
+# grows, so what left the window is a prefix by rowid: no index on node time needed.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS ended (
     id TEXT PRIMARY KEY,
@@ -51,7 +53,6 @@ CREATE TABLE IF NOT EXISTS ended (
     ended_at REAL NOT NULL,
     node_at REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS ended_by_node_at ON ended (node_at);
 CREATE TABLE IF NOT EXISTS clock (
     one INTEGER PRIMARY KEY CHECK (one = 1),
     node_time REAL NOT NULL
@@ -213,7 +214,11 @@ class EndedIndex:
         db = self._writer
         db.execute("BEGIN IMMEDIATE")
         try:
-            cursor = db.execute("DELETE FROM ended WHERE node_at < ?", (now - self.window_s,))
+            cursor = db.execute(
+                "DELETE FROM ended WHERE rowid < coalesce((SELECT rowid FROM ended"
+                " WHERE node_at >= ? ORDER BY rowid LIMIT 1), (SELECT max(rowid) + 1 FROM ended))",
+                (now - self.window_s,),
+            )
             db.execute(
                 "INSERT INTO clock (one, node_time) VALUES (1, ?)"
                 " ON CONFLICT (one) DO UPDATE SET node_time = max(node_time, excluded.node_time)",
@@ -235,9 +240,12 @@ class EndedIndex:
     def seconds_until_room(self) -> float:
         """When the oldest id held leaves the window (at least 1 s)."""
         with self._read_lock:
-            (oldest,) = self._reader.execute("SELECT min(node_at) FROM ended").fetchone()
-        if oldest is None:
+            row = self._reader.execute(
+                "SELECT node_at FROM ended ORDER BY rowid LIMIT 1"
+            ).fetchone()
+        if row is None:
             return 1.0
+        (oldest,) = row
         return max(1.0, float(oldest) + self.window_s - self.node_time())
 
     def close(self) -> None:

@@ -15,6 +15,13 @@ uncorrected ECC count going down (the driver clears it when the GPU is
 reset), or a lost device found again. The reset moves the device to
 unknown, and good probes then bring it back as usual. Restarting the daemon
 also forgets it, since a new tracker starts from fresh readings.
+
+A MIG instance is tracked as a device of its own, registered with its GPU as
+its parent. It is read with its GPU: an XID the driver attributes to the
+instance (by its GPU and compute instance ids) is the instance's signal, not
+the GPU's, so one instance's fatal XID takes out that instance alone; a reset
+of the GPU (observed as above) resets its instances. A lane of an instance is
+as healthy as the worse of its GPU and its instance (machine/ledger.py).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from machine.inventory import Probe, ProbeStatus
+from machine.inventory import MigReading, Probe, ProbeStatus
 
 __all__ = [
     "ALLOCATABLE_STATES",
@@ -39,6 +46,7 @@ __all__ = [
     "Rule",
     "Signal",
     "classify",
+    "classify_instance",
     "step",
 ]
 
@@ -206,26 +214,54 @@ def classify(
     if probe.status is ProbeStatus.LOST:
         return [(Signal.LOST, f"device_lost: {probe.error or 'device is gone'}")]
     if probe.status is ProbeStatus.FAILED:
-        return [(Signal.READ_FAILED, f"read_failed: {probe.error or 'reading failed'}")]
+        # XIDs read before the reading failed still count (a fatal one above all).
+        failed = (Signal.READ_FAILED, f"read_failed: {probe.error or 'reading failed'}")
+        return [failed, *_xid_signals(probe.xids, fatal_xids)]
     ecc = probe.ecc_volatile_uncorrected
     reset: list[tuple[Signal, str]] = []
     if probe.reset or (ecc is not None and previous_ecc is not None and ecc < previous_ecc):
         reset.append((Signal.RESET, "reset: the device was reset"))
-    signals: list[tuple[Signal, str]] = []
-    for xid in probe.xids:
-        if xid in fatal_xids:
-            signals.append((Signal.FATAL_XID, f"xid_{xid}: critical device error, needs a reset"))
-        else:
-            signals.append((Signal.APP_XID, f"xid_{xid}: application error"))
+    signals = _xid_signals(probe.xids, fatal_xids)
     if ecc is not None and previous_ecc is not None and ecc > previous_ecc:
         signals.append((Signal.ECC, f"ecc_uncorrected: {ecc - previous_ecc} new volatile errors"))
     if probe.retired_pages_pending:
         signals.append((Signal.ECC, "retired_pages_pending: reset needed"))
-    if probe.remapped_rows_pending:
+    if probe.remapped_rows_failed:
+        # Permanent: a reset does not bring the rows back (the GPU needs service).
+        signals.append((Signal.ECC, "remapped_rows_failed: row remapping failed, GPU needs service"))
+    elif probe.remapped_rows_pending:
         signals.append((Signal.ECC, "remapped_rows_pending: reset needed"))
     if probe.over_temperature:
         signals.append((Signal.OVER_TEMPERATURE, f"over_temperature: {probe.temperature_c} C"))
     return reset + (signals or [(Signal.GOOD, "")])
+
+
+def _xid_signals(xids: Iterable[int], fatal_xids: frozenset[int]) -> list[tuple[Signal, str]]:
+    return [
+        (Signal.FATAL_XID, f"xid_{xid}: critical device error, needs a reset")
+        if xid in fatal_xids
+        else (Signal.APP_XID, f"xid_{xid}: application error")
+        for xid in xids
+    ]
+
+
+def classify_instance(
+    probe: Probe,
+    reading: MigReading | None,
+    gpu_signals: Iterable[tuple[Signal, str]],
+    *,
+    fatal_xids: frozenset[int],
+) -> list[tuple[Signal, str]]:
+    """A MIG instance's signals from its GPU's probe: the GPU's reset, the XIDs the
+    driver named the instance in, else (on a good reading) GOOD. A GPU that is lost
+    or unreadable says nothing more of the instance: its lane shows the GPU's state."""
+    if probe.status is ProbeStatus.LOST:
+        return []
+    reset = [(sig, reason) for sig, reason in gpu_signals if sig is Signal.RESET]
+    signals = _xid_signals(reading.xids if reading is not None else (), fatal_xids)
+    if not signals and probe.status is ProbeStatus.OK:
+        signals = [(Signal.GOOD, "")]
+    return reset + signals
 
 
 class HealthTracker:
@@ -250,12 +286,28 @@ class HealthTracker:
         self._devices: dict[str, DeviceHealth] = {}
         self._ecc: dict[str, int | None] = {}
         self._last: dict[str, Probe] = {}
+        # MIG instances by their GPU, and each instance's GPU.
+        self._instances: dict[str, list[str]] = {}
+        self._parent: dict[str, str] = {}
 
     def register(
-        self, device_id: str, *, state: HealthState = HealthState.HEALTHY, at: float = 0.0
+        self,
+        device_id: str,
+        *,
+        state: HealthState = HealthState.HEALTHY,
+        at: float = 0.0,
+        parent: str | None = None,
     ) -> None:
+        """Track a device; `parent`: it is a MIG instance of that GPU, read with it."""
         self._devices[device_id] = DeviceHealth(state=state, since=at)
         self._ecc[device_id] = None
+        if parent is not None and self._parent.get(device_id) != parent:
+            self._parent[device_id] = parent
+            self._instances.setdefault(parent, []).append(device_id)
+
+    def devices(self) -> list[str]:
+        """The devices probes are taken of (GPUs; MIG instances are read with theirs)."""
+        return [d for d in self._devices if d not in self._parent]
 
     def health(self, device_id: str) -> DeviceHealth:
         found = self._devices.get(device_id)
@@ -305,13 +357,29 @@ class HealthTracker:
             self._last[probe.device_id] = probe
             if probe.ecc_volatile_uncorrected is not None:
                 self._ecc[probe.device_id] = probe.ecc_volatile_uncorrected
+        events = self._apply_all(probe.device_id, signals, at=at)
+        readings = {m.uuid: m for m in probe.mig}
+        for instance in self._instances.get(probe.device_id, ()):
+            found = classify_instance(
+                probe, readings.get(instance), signals, fatal_xids=self.fatal_xids
+            )
+            events += self._apply_all(instance, found, at=at)
+        return events
+
+    def _apply_all(
+        self, device_id: str, signals: Iterable[tuple[Signal, str]], *, at: float
+    ) -> list[HealthTransition]:
         events = []
         for signal, reason in signals:
-            event = self.apply(probe.device_id, signal, reason, at=at)
+            event = self.apply(device_id, signal, reason, at=at)
             if event is not None:
                 events.append(event)
         return events
 
     def rediscovered(self, device_id: str, *, at: float) -> HealthTransition | None:
         self._ecc[device_id] = None  # counters restart with the driver's view of the device
-        return self.apply(device_id, Signal.REDISCOVERED, "rediscovered", at=at)
+        event = self.apply(device_id, Signal.REDISCOVERED, "rediscovered", at=at)
+        # A GPU that fell off the bus and is back was reset, and its instances with it.
+        for instance in self._instances.get(device_id, ()):
+            self.apply(instance, Signal.RESET, "reset: its GPU was found again", at=at)
+        return event

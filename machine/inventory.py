@@ -53,6 +53,8 @@ class MemoryInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 class MigInstance(msgspec.Struct, frozen=True, kw_only=True):
     uuid: str
+    # The profile, as dcgm-exporter's GPU_I_PROFILE names it ("1g.18gb"; NVML's
+    # own name for the instance is "<GPU name> MIG 1g.18gb").
     name: str
     memory_total_bytes: int
     memory_used_bytes: int | None = None
@@ -84,6 +86,9 @@ class MigReading(msgspec.Struct, frozen=True, kw_only=True):
     memory_free_bytes: int | None = None
     utilization_gpu_percent: float | None = None
     utilization_memory_percent: float | None = None
+    # XID codes the driver attributed to this instance since the previous probe
+    # (its GPU and compute instance ids); XIDs for the whole GPU are the Probe's.
+    xids: tuple[int, ...] = ()
 
 
 class ProbeStatus(enum.StrEnum):
@@ -107,7 +112,10 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     power_w: float | None = None
     ecc_volatile_uncorrected: int | None = None
     retired_pages_pending: bool | None = None
+    # A row remapping is pending (a reset applies it) or has failed.
     remapped_rows_pending: bool | None = None
+    # A row remapping failed: permanent, the GPU needs service.
+    remapped_rows_failed: bool | None = None
     memory_used_bytes: int | None = None
     memory_free_bytes: int | None = None
     utilization_gpu_percent: float | None = None
@@ -128,6 +136,9 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     # `reset` event). NVML has no such reading; health infers a reset from the
     # volatile ECC count going down or from a lost device coming back.
     reset: bool = False
+    # Fields the driver refused to read (an error other than NotSupported), each
+    # "field: the driver's reason"; those fields are None, the rest were read.
+    unread: tuple[str, ...] = ()
 
 
 class DeviceSource(Protocol):

@@ -1,12 +1,12 @@
 """The capacity ledger: pure accounting of CPU, memory, GPUs and VRAM (no I/O).
 
 Per resource: capacity, reserved (kept back for the system: reserved CPU
-millis, reserved memory, VRAM headroom per lane plus the CUDA context of the lane's own host), allocated (the sum of live
-reservations) and allocatable = capacity - reserved - allocated, never
-negative. A lane that is unhealthy, unknown, lost or drained adds nothing to
-allocatable. A request is granted all or nothing; refusals carry a typed
-reason. Totals are kept incrementally so reading capacity costs O(lanes),
-whatever the number of reservations.
+millis, reserved memory, VRAM headroom per lane plus the CUDA context of the
+lane's own host), allocated (the sum of live reservations) and allocatable =
+capacity - reserved - allocated, never negative. A lane that is unhealthy,
+unknown, lost or drained adds nothing to allocatable. A request is granted all
+or nothing; refusals carry a typed reason. Totals are kept incrementally so
+reading capacity costs O(lanes), whatever the number of reservations.
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ __all__ = [
     "ReservationRequest",
     "ResourceAmounts",
 ]
+
+
+# From the best health to the worst: a MIG lane shows the worse of its GPU's and
+# its instance's.
+_SEVERITY = (
+    HealthState.HEALTHY,
+    HealthState.SUSPECT,
+    HealthState.UNKNOWN,
+    HealthState.UNHEALTHY,
+    HealthState.LOST,
+)
 
 
 class ResourceAmounts(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,10 +102,13 @@ class Ledger:
         self.cpu_reserved = min(reserved_cpu_millis, self.cpu_capacity)
         self.memory_reserved = min(reserved_memory_bytes, self.memory_capacity)
         self.vram_headroom = vram_headroom_bytes
+        # Health by device (a GPU, or a MIG instance by its uuid), and each instance's
+        # reasons while it is not healthy; a lane's health is derived from them.
+        self._device_health: dict[str, HealthState] = dict(device_health or {})
+        self._instance_reasons: dict[str, tuple[str, ...]] = {}
         self._health: dict[str, HealthState] = {}
         for lane in self._lanes.values():
-            default = HealthState.HEALTHY if lane.kind is LaneKind.CPU else HealthState.UNKNOWN
-            self._health[lane.lane_id] = (device_health or {}).get(lane.device_id, default)
+            self._health[lane.lane_id] = self._derived_health(lane)
         self._drained: set[str] = set()
         # Lanes with a fault of their own that takes them out of allocatable.
         self._faulted: set[str] = set()
@@ -117,11 +131,36 @@ class Ledger:
     def lane(self, lane_id: str) -> Lane | None:
         return self._lanes.get(lane_id)
 
-    def set_device_health(self, device_id: str, state: HealthState) -> None:
-        """Apply a device's health to all its lanes (a MIG GPU's fault hits every instance)."""
+    def set_device_health(
+        self, device_id: str, state: HealthState, reasons: Iterable[str] = ()
+    ) -> None:
+        """Apply a device's health to its lanes. A GPU's reaches all its lanes (a MIG
+        GPU's fault hits every instance); a MIG instance's (`device_id` its uuid) only
+        its own lane, whose health is the worse of its GPU's and its instance's, and
+        whose `lane_fault` names the instance's `reasons` while it is not healthy."""
+        self._device_health[device_id] = state
+        self._instance_reasons[device_id] = tuple(reasons)
         for lane in self._lanes.values():
-            if lane.device_id == device_id and lane.kind is not LaneKind.CPU:
-                self._health[lane.lane_id] = state
+            if lane.kind is not LaneKind.CPU and device_id in (lane.device_id, lane.visible_uuid):
+                self._health[lane.lane_id] = self._derived_health(lane)
+
+    def _derived_health(self, lane: Lane) -> HealthState:
+        if lane.kind is LaneKind.CPU:
+            return self._device_health.get(lane.device_id, HealthState.HEALTHY)
+        gpu = self._device_health.get(lane.device_id, HealthState.UNKNOWN)
+        if lane.kind is not LaneKind.MIG or lane.visible_uuid is None:
+            return gpu
+        instance = self._device_health.get(lane.visible_uuid, HealthState.HEALTHY)
+        return max(gpu, instance, key=_SEVERITY.index)
+
+    def _instance_problem(self, lane: Lane) -> str | None:
+        """Why the lane's MIG instance (not its GPU) is not healthy, or None."""
+        uuid = lane.visible_uuid
+        if lane.kind is not LaneKind.MIG or uuid is None:
+            return None
+        if self._device_health.get(uuid, HealthState.HEALTHY) is HealthState.HEALTHY:
+            return None
+        return "; ".join(self._instance_reasons.get(uuid, ())) or None
 
     def lane_health(self, lane_id: str) -> HealthState:
         if lane_id in self._faulted:
@@ -162,9 +201,16 @@ class Ledger:
 
     def lane_fault(self, lane_id: str) -> str | None:
         """Why the lane has a fault of its own, or None: the snapshot shows such a
-        lane unhealthy with this reason, even where it stays allocatable."""
+        lane unhealthy with this reason, even where it stays allocatable. A MIG
+        lane's instance that is not healthy (a fatal XID in that instance alone) is
+        the lane's own too: its reasons are named here, its GPU's on the device."""
         faults = self._faults.get(lane_id)
-        return "; ".join(reason for reason, _ in faults.values()) if faults else None
+        reasons = [reason for reason, _ in faults.values()] if faults else []
+        lane = self._lanes.get(lane_id)
+        instance = self._instance_problem(lane) if lane is not None else None
+        if instance is not None:
+            reasons.append(instance)
+        return "; ".join(reasons) if reasons else None
 
     def _count_faults(self, lane_id: str) -> None:
         faults = self._faults.get(lane_id, {})

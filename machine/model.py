@@ -79,6 +79,8 @@ def _health_and_ledger(
     now = trio.current_time()
     for gpu in inventory.gpus:
         tracker.register(gpu.uuid, at=now)
+        for mig in gpu.mig_instances:  # read with its GPU; its own XIDs are its own
+            tracker.register(mig.uuid, at=now, parent=gpu.uuid)
     for probe in inventory.probes:
         tracker.observe(probe, at=now)
     ledger = Ledger(
@@ -189,7 +191,7 @@ class Machine:
 
         def transition(event: HealthTransition) -> None:
             if ledger_box:  # keep allocatable in step with health, at once
-                ledger_box[0].set_device_health(event.device_id, event.to_state)
+                ledger_box[0].set_device_health(event.device_id, event.to_state, event.reasons)
             if on_transition is not None:
                 on_transition(event)
 

@@ -22,7 +22,7 @@ __all__ = ["monitor_devices", "probe_once", "sync_ledger"]
 
 def sync_ledger(tracker: HealthTracker, ledger: Ledger) -> None:
     for device_id, state in tracker.states().items():
-        ledger.set_device_health(device_id, state)
+        ledger.set_device_health(device_id, state, tracker.health(device_id).reasons)
 
 
 async def probe_once(
@@ -40,7 +40,7 @@ async def probe_once(
     if scope.cancelled_caught:
         probes = [
             Probe(device_id=d, status=ProbeStatus.FAILED, error="probe_timeout")
-            for d in tracker.states()
+            for d in tracker.devices()
         ]
     for probe in probes:
         tracker.observe(probe, at=now)

@@ -24,7 +24,7 @@ from machine.inventory import (
     MigReading,
     Probe,
 )
-from machine.lanes import Isolation, Lane, LaneKind
+from machine.lanes import Isolation, Lane, LaneBackend, LaneKind
 from machine.ledger import Ledger, ResourceAmounts
 
 __all__ = [
@@ -134,6 +134,11 @@ class LaneSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     health_reason: str | None = None
     # Simulated GPU and MIG lanes only; absent for real devices and the CPU pool.
     host_backed_vram: HostBackedVram | None = None
+    # Where the lane's work runs: `cupy` (CUDA, on a real GPU or MIG instance) or
+    # `numpy` (host memory: the CPU pool, simulated lanes). A `cupy` lane never falls
+    # back to host memory: without CUDA it is unhealthy with a `health_reason`
+    # starting `cuda_unavailable:`. (Absent only in documents from before this field.)
+    backend: LaneBackend | None = None
 
 
 class Amounts(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -286,6 +291,7 @@ def build_snapshot(
             vram_bytes=lane.vram_bytes,
             health_reason=ledger.lane_fault(lane.lane_id),
             host_backed_vram=_host_backed(lane),
+            backend=lane.array_backend,
         )
         for lane in ledger.lanes()
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import pathlib
 import threading
 from typing import Any
@@ -36,7 +37,6 @@ from capabilities.securefile import SecretFileError
 from machine import Machine
 from machine.capacity_notes import capacity_notes
 from machine.cgroups import CgroupsUnavailable, system_cgroups
-from machine.discovery_sim import SimDeviceSource
 from machine.disk_floor import DiskFloor
 from machine.health import HealthTransition
 from machine.journal import JournalError, release_reserve
@@ -55,7 +55,7 @@ from supervisor.lane_host import lane_host_factory
 from supervisor.logstore import LogLimits, LogStore, LogStoreError
 from supervisor.wire import InvocationState, NodeEvent
 
-__all__ = ["Daemon", "StartupError", "http_settings", "startup_error_in"]
+__all__ = ["Daemon", "StartupError", "http_settings", "lane_host_env", "startup_error_in"]
 
 log = logging.getLogger(__name__)
 # Past this, whatever has not stopped after the grace period is cancelled.
@@ -113,6 +113,27 @@ def telemetry_bearer(path: str) -> str | None:
         return read_bearer_file(pathlib.Path(path))
     except (SecretFileError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
+
+
+LANE_HOST_CACHE = "lanehost-cache"  # in the state folder
+
+
+def lane_host_env(state_dir: pathlib.Path) -> dict[str, str]:
+    """Where the lane hosts' CUDA caches live: a folder of the state folder (the
+    daemon's own, 0700; its hosts run as its uid), so `import cupy`, which makes
+    its kernel cache folder at import, works whatever HOME is (a read-only one in
+    a container), and no guest can write a kernel the trusted host would load.
+    StartupError if it cannot be made."""
+    root = state_dir / LANE_HOST_CACHE
+    folders = {"CUPY_CACHE_DIR": root / "cupy", "CUDA_CACHE_PATH": root / "cuda"}
+    try:
+        root.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(root, 0o700)  # whatever the umask said
+        for folder in folders.values():
+            folder.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"lane host cache {root}: {exc.strerror or exc}") from exc
+    return {name: str(folder) for name, folder in folders.items()}
 
 
 def startup_error_in(error: BaseException) -> StartupError | None:
@@ -275,13 +296,10 @@ class Daemon:
             machine,
             tokens,
             events,
-            lane_host_factory(
-                config.lane_host_command,
-                # Simulated devices are host memory: NumPy even where CuPy is installed.
-                backend="numpy"
-                if isinstance(machine.inventory.source, SimDeviceSource)
-                else "auto",
-            ),
+            # Each lane's own backend (`Lane.array_backend`): CuPy on NVML's GPUs and MIG
+            # instances, never falling back to host memory; NumPy on simulated lanes
+            # (host memory even where CuPy is installed) and the CPU pool.
+            lane_host_factory(config.lane_host_command, env=lane_host_env(state_dir)),
             max_queued=config.max_queued,
             max_running=config.max_running,
             max_kernel_seconds=config.max_kernel_seconds,
@@ -293,6 +311,7 @@ class Daemon:
         )
         self.readiness.check("lane_hosts", supervisor.lane_hosts_problem)
         self.readiness.check_note("lane_hosts", supervisor.faulted_lanes)
+        self.readiness.check_note("cuda", supervisor.cuda_unavailable_lanes)
         await nursery.start(supervisor.run)
         if guests.socket is not None:
             nursery.start_soon(serve_unix, self._app, self.context.http, guests.socket, self.stop)

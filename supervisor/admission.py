@@ -17,6 +17,7 @@ from supervisor.guests import GuestPolicy
 from supervisor.process import InvalidProcessRequest, validate_argv, validate_env
 from supervisor.wire import (
     INVOCATION_ID,
+    LABEL_KEY,
     BuiltinWork,
     GuestNetwork,
     InvocationRequest,
@@ -26,6 +27,7 @@ from supervisor.wire import (
 __all__ = [
     "AdmissionRefused",
     "check_cwd",
+    "check_labels",
     "check_network",
     "check_request",
     "from_reservation_refusal",
@@ -66,6 +68,7 @@ def check_request(request: InvocationRequest) -> None:
     # events and cgroup names, so the whole id must match.
     if not INVOCATION_ID.fullmatch(request.id):
         raise AdmissionRefused(422, "invalid_request", "id: not a valid invocation id")
+    check_labels(request.labels)
     work = request.work
     try:
         if isinstance(work, ProcessWork):
@@ -87,6 +90,24 @@ def check_request(request: InvocationRequest) -> None:
         raise AdmissionRefused(422, "invalid_request", str(exc)) from None
     if request.resources.gpus > 1 and request.requirement.value == "cpu":
         raise AdmissionRefused(422, "invalid_request", "a cpu invocation asks for no GPUs")
+
+
+def check_labels(labels: dict[str, str]) -> None:
+    """What the wire's bounds let through and a list or a terminal should not show: a
+    key with a final newline (the wire pattern's `$` matches before one), a value with
+    a control character. 422 `invalid_request` naming the label."""
+    for key, value in labels.items():
+        if not LABEL_KEY.fullmatch(key):
+            raise AdmissionRefused(
+                422, "invalid_request", f"labels: {key!r} is not a label key", {"field": "labels"}
+            )
+        if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in value):
+            raise AdmissionRefused(
+                422,
+                "invalid_request",
+                f"labels.{key}: a label value holds no control characters",
+                {"field": f"labels.{key}"},
+            )
 
 
 def check_cwd(guests: GuestPolicy, cwd: str) -> None:

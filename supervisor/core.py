@@ -129,6 +129,7 @@ class Supervisor:
                     on_recovered=self._health.lane_recovered,
                     on_session_failed=self._health.lane_session_failed,
                     on_host_call=on_lane_host_call,
+                    on_reserved=self._lane_host_reserved,
                     place=state.charges.place,
                     max_buffers_per_invocation=lane_buffers_per_invocation,
                     max_kernel_seconds=max_kernel_seconds,
@@ -197,6 +198,16 @@ class Supervisor:
 
     def faulted_lanes(self) -> str | None:
         return self._health.faulted_lanes()
+
+    def cuda_unavailable_lanes(self) -> str | None:
+        return self._health.cuda_unavailable_lanes()
+
+    def _lane_host_reserved(self, lane_id: str, nbytes: int) -> None:
+        """A lane's own host holds `nbytes` of its device for itself (its CUDA
+        context): the ledger keeps them back, so a guest is never granted them."""
+        state = self._state
+        state.machine.ledger.set_host_reserved(lane_id, nbytes)
+        state.on_change()
 
     # -- lane work (lane_routing.py) ----------------------------------------------------
     def lane_caller(self, lane_id: str, token: str) -> Claims:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from machine.health import HealthState, HealthTransition
 from supervisor.invocation import utc_now
+from supervisor.lane_owner import CUDA_UNAVAILABLE
 from supervisor.state import SupervisorState
 from supervisor.wire import EventKind, NodeEvent
 
@@ -29,7 +30,8 @@ class HealthCoupling:
         if event.to_state in FAILED_STATES:
             for inv in list(state.live.values()):
                 if inv.reservation and any(
-                    g.device_id == event.device_id for g in inv.reservation.lanes
+                    event.device_id in (g.device_id, g.visible_uuid)  # a GPU, or a MIG instance
+                    for g in inv.reservation.lanes
                 ):
                     inv.cancel("lane_unhealthy")
         state.events.publish(
@@ -54,10 +56,13 @@ class HealthCoupling:
         snapshot until it recovers. A GPU lane leaves allocatable and its work is
         cancelled; the CPU pool's processes and builtins never use its host, so
         they go on (and the pool stays allocatable for them): only its lane work
-        is out."""
+        is out. A device lane whose hosts cannot run CUDA (`cuda_unavailable: ...`)
+        is like the pool: its device is healthy and processes that bring their own
+        CUDA run there, so only its lane work is out (never run on the CPU)."""
         lane = self._state.machine.ledger.lane(lane_id)
         gpu = lane is not None and lane.is_gpu
-        self._fault(lane_id, reason, cause=_HOST, allocatable=not gpu)
+        no_cuda = reason.startswith(f"{CUDA_UNAVAILABLE}:")
+        self._fault(lane_id, reason, cause=_HOST, allocatable=not gpu or no_cuda)
 
     def _fault(self, lane_id: str, reason: str, *, cause: str, allocatable: bool) -> None:
         state = self._state
@@ -118,5 +123,19 @@ class HealthCoupling:
         """Lanes whose host failed too often and are out of service until a probe
         brings them back (a note: the other lanes still serve)."""
         owners = self._state.owners
-        faulted = sorted(lane_id for lane_id, owner in owners.items() if owner.faulted)
+        faulted = sorted(
+            lane_id
+            for lane_id, owner in owners.items()
+            if owner.faulted and not owner.cuda_unavailable
+        )
         return "lane hosts failed too often: " + ", ".join(faulted) if faulted else None
+
+    def cuda_unavailable_lanes(self) -> str | None:
+        """Device lanes whose hosts cannot run CUDA, each with why (a note for /readyz:
+        their lane work is refused, never run on the CPU; the rest of the node serves)."""
+        lanes = [
+            f"{lane_id} ({owner.fault_reason[:_PROBLEM_CHARS]})"
+            for lane_id, owner in sorted(self._state.owners.items())
+            if owner.faulted and owner.cuda_unavailable
+        ]
+        return f"{CUDA_UNAVAILABLE}: " + "; ".join(lanes) if lanes else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import trio
@@ -12,16 +13,21 @@ from supervisor.lifecycle import Ending, next_state
 from supervisor.logstore import InvocationLogs
 from supervisor.output import OutputRing
 from supervisor.wire import (
+    MAX_COMMAND_ARGS,
+    MAX_COMMAND_CHARS,
+    BuiltinWork,
+    Command,
     GrantedLane,
     GuestNetwork,
     InvocationRequest,
     InvocationState,
     InvocationStatus,
+    ProcessWork,
     SubmitResponse,
     Usage,
 )
 
-__all__ = ["Invocation", "utc_now"]
+__all__ = ["Invocation", "command_of", "duration_between", "utc_now"]
 
 OUTPUT_BYTES = 64 * 1024
 TAIL_CHARS = 4096
@@ -42,11 +48,53 @@ def utc_now() -> str:
     return f"{prefix}{int((now - second) * 1000):03d}Z"
 
 
+def unix_time(text: str) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time; None for one that does not parse."""
+    try:
+        stamp = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=datetime.UTC)
+    return stamp.timestamp()
+
+
+def duration_between(start: str | None, end: str | None, *, now: float | None = None) -> float | None:
+    """Seconds from `start` to `end` (to `now` when `end` is None), in milliseconds as
+    the times are written; None when `start` is unknown or a time does not parse."""
+    began = None if start is None else unix_time(start)
+    until = (time.time() if now is None else now) if end is None else unix_time(end)
+    if began is None or until is None:
+        return None
+    return round(max(0.0, until - began), 3)
+
+
+def command_of(work: ProcessWork | BuiltinWork) -> Command:
+    """What the status shows of `work`: a builtin's name, or a process's argv in at most
+    MAX_COMMAND_ARGS arguments and MAX_COMMAND_CHARS characters (the first argument past
+    the size is cut to fit and ends with "…"); never its environment nor a builtin's args."""
+    if isinstance(work, BuiltinWork):
+        return Command(kind="builtin", name=work.name)
+    shown: list[str] = []
+    room = MAX_COMMAND_CHARS
+    cut = len(work.argv) > MAX_COMMAND_ARGS
+    for arg in work.argv[:MAX_COMMAND_ARGS]:
+        if len(arg) > room:
+            if room > 0:
+                shown.append(arg[: room - 1] + "…")
+            cut = True
+            break
+        shown.append(arg)
+        room -= len(arg)
+    return Command(kind="process", argv=shown, argc=len(work.argv), argv_cut=cut)
+
+
 class Invocation:
     """Mutable, owned by the supervisor; everything outside sees `status()`."""
 
     def __init__(self, request: InvocationRequest, scope: trio.CancelScope) -> None:
         self.request = request
+        self.command = command_of(request.work)
         self.scope = scope
         self.state = InvocationState.queued
         self.reason: str | None = None
@@ -135,17 +183,23 @@ class Invocation:
     ) -> InvocationStatus:
         """Its status now; or, with `state` and `ended_at`, as it will be once it reaches
         that state then (built once per ending: journaled, listed and announced)."""
+        request = self.request
+        ended_at = ended_at or self.ended_at
         return InvocationStatus(
             id=self.id,
             state=state or self.state,
             reason=self.reason,
-            requirement=self.request.requirement,
-            isolation=self.request.isolation,
+            requirement=request.requirement,
+            isolation=request.isolation,
+            command=self.command,
+            resources=request.resources,
+            labels=request.labels,
             lanes=self.lanes(),
             exit_code=self.exit_code,
             submitted_at=self.submitted_at,
             started_at=self.started_at,
-            ended_at=ended_at or self.ended_at,
+            ended_at=ended_at,
+            duration_s=duration_between(self.started_at or self.submitted_at, ended_at),
             stdout_tail=self.stdout.tail(TAIL_CHARS),
             stderr_tail=self.stderr.tail(TAIL_CHARS),
             stdout_bytes=self.stdout.total_bytes,

@@ -4,6 +4,11 @@ buffer, and how many buffers and bytes each invocation holds on the lane.
 Buffer ids are opaque and scoped to the invocation that reserved them: another
 invocation's buffer looks exactly like a missing one. The book only records;
 the owner frees in the host (`supervisor.lane_jobs`).
+
+It also books the device memory each live host of the lane holds for itself
+(its CUDA context, as its hello reports it: `HelloReply.memory_reserved`): the
+sentinel's and each session's. That is the lane's memory too, so it is not free
+for buffers, though no invocation's `vram_bytes` is charged for it.
 """
 
 from __future__ import annotations
@@ -11,9 +16,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from lanehost.protocol import HelloReply
 from supervisor.lane_work import LaneWorkError
 
-__all__ = ["BUFFERS_PER_INVOCATION", "LaneBuffers"]
+__all__ = ["BUFFERS_PER_INVOCATION", "SENTINEL", "LaneBuffers", "reserved_by"]
+
+SENTINEL = ""  # the lane's own host, in the book of hosts (no invocation id is empty)
+
+
+def reserved_by(hello: object) -> int:
+    """What a started host holds for itself, from its hello (0 from a double's)."""
+    return hello.memory_reserved if isinstance(hello, HelloReply) else 0
+
 
 # The buffers one invocation may hold on one lane, of the lane's 4,096
 # (`lanehost.protocol.MAX_BUFFERS`): 64 x 64, the default --max-running, is 4,096,
@@ -33,6 +47,7 @@ class LaneBuffers:
         self._buffers: dict[str, _Buffer] = {}
         self._held: dict[str, int] = {}  # bytes, by invocation
         self._counts: dict[str, int] = {}  # buffers, by invocation
+        self._hosts: dict[str, int] = {}  # bytes a live host holds for itself, by owner
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -52,9 +67,24 @@ class LaneBuffers:
         return sum(self._held.values())
 
     @property
+    def hosts_bytes(self) -> int:
+        """What the lane's live hosts hold for themselves (their CUDA contexts)."""
+        return sum(self._hosts.values())
+
+    @property
     def free_bytes(self) -> int:
-        """The lane memory no invocation holds."""
-        return self.capacity - self.used_bytes
+        """The lane memory no invocation's buffers and no host's own use holds."""
+        return max(0, self.capacity - self.used_bytes - self.hosts_bytes)
+
+    def host_started(self, key: str, nbytes: int) -> None:
+        """A host (`SENTINEL`, or an invocation's session) holds `nbytes` for itself."""
+        if nbytes > 0:
+            self._hosts[key] = nbytes
+        else:
+            self._hosts.pop(key, None)
+
+    def host_ended(self, key: str) -> None:
+        self._hosts.pop(key, None)
 
     def holds_any(self, invocation_id: str) -> bool:
         return invocation_id in self._counts
@@ -98,7 +128,8 @@ class LaneBuffers:
             self._counts.pop(invocation_id, None)
 
     def forget(self, invocation_id: str) -> None:
-        """Forget every buffer of the invocation: its session's host, which held
-        them, is gone."""
+        """Forget every buffer of the invocation, and what its host held for itself:
+        its session's host, which held them, is gone."""
         for buffer_id in self.of(invocation_id):
             self.drop(buffer_id)
+        self.host_ended(invocation_id)

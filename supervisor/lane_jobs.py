@@ -24,7 +24,7 @@ import msgspec
 
 from capabilities import LaneValidator
 from machine.lanes import Lane
-from supervisor.lane_buffers import LaneBuffers
+from supervisor.lane_buffers import LaneBuffers, reserved_by
 from supervisor.lane_checks import check_job
 from supervisor.lane_host_errors import LaneHostError, LaneHostFailed
 from supervisor.lane_work import (
@@ -126,6 +126,11 @@ class LaneJobRunner:
             log.error(
                 "lane %s: freeing %d buffers failed: %s", self._lane.lane_id, len(buffer_ids), exc
             )
+
+    def host_started(self, invocation_id: str, hello: object) -> None:
+        """A session's host answered its hello: what it holds for itself (its CUDA
+        context) is the lane's memory, booked until the session's book is forgotten."""
+        self._buffers.host_started(invocation_id, reserved_by(hello))
 
     def kernel_seconds(self, work: Execute) -> float:
         """The kernel's deadline: the caller's own, never above the node's cap."""

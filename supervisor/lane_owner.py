@@ -27,6 +27,14 @@ a host), and the lane is shown unhealthy with the reason (`on_fault`). A faulted
 lane is probed with backoff (`LaneRecovery`: 1 s, doubling to 60 s): the probe
 starts a sentinel, and its answered hello returns the lane to service by itself,
 with a fresh restart window (`on_recovered`); a failed probe doubles the wait.
+
+A device lane's hosts must run CUDA: a sentinel that cannot (`cuda_unavailable`:
+no CuPy, no cuBLAS or NVRTC, an unwritable kernel cache) faults the lane at
+once, with that reason, rather than after five restarts, and it is probed with
+the same backoff; its lane work is refused, never served from host memory. What
+each host holds for itself (its CUDA context, from its hello) is booked as the
+lane's memory, and the sentinel's is reported to the node (`on_reserved`: the
+ledger keeps it back with the headroom).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from capabilities import Claims, LaneOp, LaneValidator, TokenRefusal, TokenRefus
 from lanehost.protocol import MAX_BUFFERS
 from machine.cgroups import InvocationCgroup
 from machine.lanes import Lane
-from supervisor.lane_buffers import BUFFERS_PER_INVOCATION, LaneBuffers
+from supervisor.lane_buffers import BUFFERS_PER_INVOCATION, SENTINEL, LaneBuffers, reserved_by
 from supervisor.lane_host_errors import LaneHostFailed
 from supervisor.lane_jobs import LaneJobRunner
 from supervisor.lane_session import CLOSE_SECONDS, LaneSession, SessionJob, heartbeat, unplaced
@@ -61,6 +69,9 @@ __all__ = ["KERNEL_SECONDS", "LaneBusy", "LaneOwner", "LaneRecovery", "LaneWorkE
 log = logging.getLogger(__name__)
 
 _PROBLEM_CHARS = 200  # of the last host failure, in a faulted lane's reason
+# A faulted lane's reason when its hosts cannot run CUDA (health_coupling keeps such a
+# lane allocatable: processes that bring their own CUDA still run on its device).
+CUDA_UNAVAILABLE = "cuda_unavailable"
 # Invocations with a lane session on one lane at once: the default --max-running,
 # so every running invocation can have one; each is a process (about 31 MiB of
 # host memory with NumPy, a CUDA context on a GPU).
@@ -93,6 +104,7 @@ class LaneOwner:
         on_recovered: Callable[[str], None] = lambda _lane: None,
         on_session_failed: Callable[[str, str, str], None] = lambda _lane, _sub, _code: None,
         on_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
+        on_reserved: Callable[[str, int], None] = lambda _lane, _nbytes: None,
         place: Callable[[str, str], Awaitable[InvocationCgroup | None]] = unplaced,
         share: int = 8,
         max_sessions: int = SESSIONS_PER_LANE,
@@ -109,6 +121,7 @@ class LaneOwner:
         self._on_fault = on_fault
         self._on_recovered = on_recovered
         self._on_session_failed = on_session_failed
+        self._on_reserved = on_reserved
         self._recovery = recovery
         self._place = place
         # Invocations whose session's host failed to start: (failures, no new session
@@ -147,6 +160,8 @@ class LaneOwner:
         # stopped.
         self.host_status = "starting"
         self.host_problem = ""  # why it is restarting
+        self.host_reserved = 0  # what the sentinel holds for itself (its CUDA context)
+        self.cuda_unavailable = False  # faulted because its hosts cannot run CUDA
         self.first_start = trio.Event()  # the first sentinel answered its hello, or failed to
         self._exited: LaneDevice | None = None  # a sentinel seen to exit on its own
         self._idle: trio.CancelScope | None = None  # set while the sentinel idles
@@ -320,11 +335,14 @@ class LaneOwner:
     async def _supervise(self, nursery: trio.Nursery) -> None:
         try:
             while True:
+                no_cuda = False
                 try:
                     await self._serve(nursery)
                 except LaneHostFailed as exc:
                     log.error("lane %s: %s", self.lane.lane_id, exc)
                     self._restarting(f"{exc.reason}: {exc.message}")
+                    # Restarting will not bring CUDA: out of service at once, probed.
+                    no_cuda = exc.reason == "cuda_unavailable"
                     await self._lose_host()
                 except Exception as exc:
                     log.exception("lane owner %s crashed", self.lane.lane_id)
@@ -332,8 +350,8 @@ class LaneOwner:
                     await self._lose_host()
                 if self.faulted:  # a probe failed: wait twice as long for the next
                     self.retry_delay = min(self.retry_delay * 2, self._recovery.retry_max)
-                elif self._too_many_restarts():
-                    await self._fault()
+                elif no_cuda or self._too_many_restarts():
+                    await self._fault(cuda_unavailable=no_cuda)
                 if self.faulted:
                     await self._wait_for_probe()
         finally:
@@ -357,10 +375,12 @@ class LaneOwner:
         self.restarts.append(now)
         return sum(now - t <= self._window for t in self.restarts) > self._max_restarts
 
-    async def _fault(self) -> None:
+    async def _fault(self, *, cuda_unavailable: bool = False) -> None:
         """Out of service: its sessions end, a GPU lane leaves allocatable (the CPU
         pool's processes and builtins never use its hosts: only its lane work goes),
-        and the lane is shown unhealthy until a probe brings it back."""
+        and the lane is shown unhealthy until a probe brings it back. A lane whose
+        hosts cannot run CUDA loses only its lane work too: its device is healthy,
+        and processes that bring their own CUDA still run there."""
         now = trio.current_time()
         flapping = self._recovered_at is not None and now - self._recovered_at <= self._window
         # Back and out again within the window: wait longer than last time.
@@ -370,12 +390,22 @@ class LaneOwner:
             else self._recovery.retry_initial
         )
         self.faulted, self.host_status = True, "faulted"
-        what = "out of service" if self.lane.is_gpu else "its lane work refused"
-        self.fault_reason = (
-            f"lane_host_failed: its lane host failed too often"
-            f" ({self.host_problem[:_PROBLEM_CHARS]}); {what} until a new host answers"
-        )
-        log.error("lane %s: its host failed too often; %s", self.lane.lane_id, what)
+        self.cuda_unavailable = cuda_unavailable
+        problem = self.host_problem[:_PROBLEM_CHARS]
+        if cuda_unavailable:
+            why = problem.removeprefix(f"{CUDA_UNAVAILABLE}: ")
+            self.fault_reason = (
+                f"{CUDA_UNAVAILABLE}: {why}; its lane work is refused (never run on the"
+                " CPU instead) until a new host runs CUDA"
+            )
+            log.error("lane %s: its hosts cannot run CUDA: %s", self.lane.lane_id, why)
+        else:
+            what = "out of service" if self.lane.is_gpu else "its lane work refused"
+            self.fault_reason = (
+                f"lane_host_failed: its lane host failed too often"
+                f" ({problem}); {what} until a new host answers"
+            )
+            log.error("lane %s: its host failed too often; %s", self.lane.lane_id, what)
         self._on_fault(self.lane.lane_id, self.fault_reason)
         # Every session ends at once, side by side; the wait is bounded as each one's is.
         ending, self.sessions = list(self.sessions.values()), {}
@@ -394,6 +424,7 @@ class LaneOwner:
     def _recover(self) -> None:
         """A probe's sentinel answered its hello: back in service, with a fresh window."""
         self.faulted, self.fault_reason, self.next_probe_at = False, "", None
+        self.cuda_unavailable = False
         self.restarts.clear()
         self._recovered_at = trio.current_time()
         log.warning("lane %s: a new host answered; back in service", self.lane.lane_id)
@@ -411,6 +442,13 @@ class LaneOwner:
         host, self._host = self._host, None
         if host is not None:
             await host.aclose()  # shielded, bounded and killing by LaneHost's own contract
+        self._host_reserved(0)  # its context went with it
+
+    def _host_reserved(self, nbytes: int) -> None:
+        if nbytes != self.host_reserved:
+            self.host_reserved = nbytes
+            self._on_reserved(self.lane.lane_id, nbytes)
+        self._buffers.host_started(SENTINEL, nbytes)
 
     async def _lose_host(self) -> None:
         """The sentinel (or the owner's view of it) cannot be trusted: end it. It held
@@ -421,7 +459,7 @@ class LaneOwner:
     async def _serve(self, nursery: trio.Nursery) -> None:
         host = self._host = self._host_factory(self.lane)
         self.host_starts += 1
-        await host.start()
+        self._host_reserved(reserved_by(await host.start()))
         if self.faulted:
             self._recover()  # the probe's hello answered
         self.host_status, self.host_problem = "ready", ""

@@ -90,6 +90,10 @@ def _failure_code(exc: LaneHostFailed, running: SessionJob | None) -> str:
     request it failed under, if any."""
     if exc.reason == "timeout" and running is not None:
         return "kernel_timeout"  # its own request overran the deadline
+    if exc.reason == "device_failed":
+        # A sticky device error in its own request (a run, alloc, write or read): its
+        # host's context is dead and its buffers with it; the lane's next host is fresh.
+        return "device_failed"
     return "lane_session_failed"
 
 
@@ -177,10 +181,11 @@ class LaneSession:
                     self._stop(str(exc))
                     return
                 try:
-                    await self.host.start(cgroup=self.cgroup)
+                    hello = await self.host.start(cgroup=self.cgroup)
                 except LaneHostFailed:
                     self.start_failed = True
                     raise
+                self._jobs.host_started(self.invocation_id, hello)
                 self.started = True
                 self._host_started.set()
                 await self._serve()

@@ -1,4 +1,5 @@
-"""Pages of the invocation list: filtered by state, newest first, resumed by a cursor.
+"""Pages of the invocation list: filtered by state and labels, newest first, resumed
+by a cursor.
 
 Every listed invocation sorts by its key (submitted_at, id), newest first. Both
 parts are fixed when it is admitted and an id is listed once, so a page that
@@ -14,7 +15,8 @@ from __future__ import annotations
 import base64
 import binascii
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Annotated, NamedTuple
 
 import msgspec
@@ -24,6 +26,7 @@ from supervisor.wire import INVOCATION_ID_PATTERN, InvocationList, InvocationSta
 __all__ = [
     "CURSOR_PATTERN",
     "DEFAULT_LIST_LIMIT",
+    "MAX_LABEL_FILTERS",
     "MAX_LIST_LIMIT",
     "InvalidCursor",
     "ListQuery",
@@ -38,6 +41,9 @@ MAX_LIST_LIMIT = 500
 DEFAULT_LIST_LIMIT = 100
 # What a cursor this module wrote looks like (the bound keeps a forged one cheap to refuse).
 CURSOR_PATTERN = r"^[A-Za-z0-9_-]{1,512}$"
+# Label filters in one query (an invocation holds at most MAX_LABELS labels anyway).
+MAX_LABEL_FILTERS = 16
+_NO_LABELS: Mapping[str, str] = MappingProxyType({})
 
 Key = tuple[str, str]  # (submitted_at, id)
 
@@ -71,16 +77,24 @@ def decode_cursor(text: str) -> Key:
 
 class ListQuery(msgspec.Struct, frozen=True, kw_only=True):
     states: frozenset[InvocationState] | None = None  # None: every state
+    # (key, value) pairs an invocation's labels must all hold; (): any labels.
+    labels: tuple[tuple[str, str], ...] = ()
     limit: int = DEFAULT_LIST_LIMIT
     after: Key | None = None  # the last key of the previous page
 
 
 class Listed(NamedTuple):
-    """One candidate: its key and state, and its status, built only if it is on the page."""
+    """One candidate: its key, state and labels, and its status, built only if it is on
+    the page."""
 
     key: Key
     state: InvocationState
     status: Callable[[], InvocationStatus]
+    labels: Mapping[str, str] = _NO_LABELS
+
+
+def _labelled(labels: Mapping[str, str], wanted: tuple[tuple[str, str], ...]) -> bool:
+    return all(labels.get(key) == value for key, value in wanted)
 
 
 def page(items: Iterable[Listed], query: ListQuery) -> InvocationList:
@@ -94,6 +108,7 @@ def page(items: Iterable[Listed], query: ListQuery) -> InvocationList:
             for item in items
             if (query.states is None or item.state in query.states)
             and (after is None or item.key < after)
+            and (not query.labels or _labelled(item.labels, query.labels))
         ),
         key=lambda item: item.key,
     )

@@ -56,9 +56,17 @@ class Lookup:
         state = self._state
         here = (*state.live.values(), *state.ended.values())
         known = {inv.id for inv in here}
-        listed = [Listed((inv.submitted_at, inv.id), inv.state, inv.status) for inv in here]
+        listed = [
+            Listed((inv.submitted_at, inv.id), inv.state, inv.status, inv.request.labels)
+            for inv in here
+        ]
         listed.extend(
-            Listed((status.submitted_at, status.id), status.state, functools.partial(_same, status))
+            Listed(
+                (status.submitted_at, status.id),
+                status.state,
+                functools.partial(_same, status),
+                status.labels,
+            )
             for status in state.history.statuses()
             if status.id not in known
         )

@@ -19,7 +19,7 @@ from machine.journal import EndedRecord
 from machine.lanes import Isolation, Requirement
 from machine.reservation import Reservation
 from machine.snapshot import rfc3339
-from supervisor.invocation import Invocation
+from supervisor.invocation import Invocation, duration_between
 from supervisor.wire import (
     GrantedLane,
     InvocationRequest,
@@ -37,9 +37,20 @@ __all__ = [
 ]
 
 
+# How a request's last field encodes when it has no labels.
+_NO_LABELS = b',"labels":{}}'
+
+
 def request_digest(request: InvocationRequest) -> str:
-    """SHA-256 of the request in a canonical encoding (dict keys sorted at every level)."""
-    return hashlib.sha256(msgspec.json.encode(request, order="deterministic")).hexdigest()
+    """SHA-256 of the request in a canonical encoding (dict keys sorted at every level).
+    Without labels, the encoding leaves the (empty) field out: a request hashes as it
+    did before labels existed, so its id stays idempotent across the upgrade."""
+    raw = msgspec.json.encode(request, order="deterministic")
+    if not request.labels:
+        if not raw.endswith(_NO_LABELS):  # `labels` is no longer the last field
+            raise AssertionError("InvocationRequest.labels must stay its last field")
+        raw = raw[: -len(_NO_LABELS)] + b"}"
+    return hashlib.sha256(raw).hexdigest()
 
 
 def ended_record(inv: Invocation, final: InvocationStatus) -> tuple[EndedRecord, InvocationStatus]:
@@ -88,8 +99,10 @@ def restart_ended_record(reservation: Reservation) -> EndedRecord:
 
 
 def recorded_status(record: EndedRecord) -> InvocationStatus:
+    """The status `record` holds. One written before statuses had a duration gets it
+    from its start and end, where it started (its command and resources stay unknown)."""
     try:
-        return msgspec.json.decode(record.outcome, type=InvocationStatus)
+        status = msgspec.json.decode(record.outcome, type=InvocationStatus)
     except msgspec.DecodeError:
         # Written in another shape (another version): the id is still taken.
         ended = rfc3339(datetime.datetime.fromtimestamp(record.ended_at, datetime.UTC))
@@ -103,6 +116,10 @@ def recorded_status(record: EndedRecord) -> InvocationStatus:
             submitted_at=ended,
             ended_at=ended,
         )
+    if status.duration_s is None and status.started_at and status.ended_at:
+        duration = duration_between(status.started_at, status.ended_at)
+        status = msgspec.structs.replace(status, duration_s=duration)
+    return status
 
 
 def recorded_submit_response(record: EndedRecord) -> SubmitResponse:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -17,13 +17,20 @@ from machine.lanes import Isolation, Requirement
 __all__ = [
     "INVOCATION_ID",
     "INVOCATION_ID_PATTERN",
+    "LABEL_KEY",
+    "LABEL_KEY_PATTERN",
     "MAX_BATCH",
+    "MAX_COMMAND_ARGS",
+    "MAX_COMMAND_CHARS",
+    "MAX_LABELS",
+    "MAX_LABEL_VALUE",
     "MAX_WAIT_S",
     "BatchItem",
     "BatchItemError",
     "BatchReply",
     "BatchRequest",
     "BuiltinWork",
+    "Command",
     "EventKind",
     "GrantedLane",
     "GuestNetwork",
@@ -46,6 +53,29 @@ InvocationId = Annotated[str, msgspec.Meta(pattern=INVOCATION_ID_PATTERN)]
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _Arg = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+
+# Labels: a small map the scheduler sets to find its invocations again (the list
+# filters by them); bounded, as everything kept per invocation is.
+LABEL_KEY_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+MAX_LABELS = 16
+MAX_LABEL_VALUE = 256
+_LabelKey = Annotated[str, msgspec.Meta(pattern=LABEL_KEY_PATTERN)]
+_LabelValue = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_VALUE)]
+Labels = Annotated[
+    dict[_LabelKey, _LabelValue],
+    msgspec.Meta(
+        max_length=MAX_LABELS,
+        description=(
+            f"At most {MAX_LABELS} labels: keys lowercase letters, digits and `_.-`"
+            f" (63 at most), values at most {MAX_LABEL_VALUE} characters, no control"
+            " characters. `GET /v1/invocations?label=key=value` lists by them."
+        ),
+    ),
+]
+# What a status shows of a process's argv: enough to tell invocations apart, bounded.
+MAX_COMMAND_ARGS = 16
+MAX_COMMAND_CHARS = 1024
 
 
 class InvocationState(StrEnum):
@@ -109,6 +139,22 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     resources: Resources = Resources()
     isolation: Isolation = Isolation.SHARED
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)] = 3600.0
+    # Last, and left out of the request's digest while empty (remembered.request_digest):
+    # a request without labels hashes as it did before they existed.
+    labels: Labels = msgspec.field(default_factory=dict)
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What an invocation runs, to tell it apart: a process's argv, bounded (the first
+    16 arguments and 1,024 characters in all: an argument cut short ends with "…",
+    `argc` counts them all and `argv_cut` says some were cut or left out), never its
+    environment; or a builtin's name, never its args."""
+
+    kind: Literal["process", "builtin"]
+    argv: list[str] = msgspec.field(default_factory=list)
+    argc: int = 0
+    argv_cut: bool = False
+    name: str | None = None
 
 
 class GrantedLane(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -132,11 +178,19 @@ class InvocationStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     reason: str | None = None
     requirement: Requirement
     isolation: Isolation
+    # What it runs and what it asked for, as submitted (None in records written before
+    # they were kept, and for work a restart cut off).
+    command: Command | None = None
+    resources: Resources | None = None
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
     lanes: list[GrantedLane]
     exit_code: int | None = None
     submitted_at: str
     started_at: str | None = None
     ended_at: str | None = None
+    # Seconds from its start (or, if it never started, its submission) to its end, or
+    # to now while it is live; by the wall clock, never below 0.
+    duration_s: float | None = None
     stdout_tail: str = ""
     stderr_tail: str = ""
     # Bytes written so far: a follower prints only what is new since its last read.

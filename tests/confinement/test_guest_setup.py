@@ -58,6 +58,8 @@ async def test_dev_that_cannot_switch_users_says_so_and_still_sandboxes(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(node.guests, "can_switch_users", lambda: False)
+    # Whatever this host's /etc/subuid gives root: none here.
+    monkeypatch.setattr(node.guests, "SUBUID_FILE", tmp_path / "no-subuid")
     daemon = Daemon(daemon_config(tmp_path), handle_signals=False, dev=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
@@ -67,6 +69,8 @@ async def test_dev_that_cannot_switch_users_says_so_and_still_sandboxes(
         assert snapshot is not None
         notes = snapshot.current().notes
         assert any("cannot switch users" in note for note in notes), notes
+        shared = [note for note in notes if note.startswith("dev_guests_share_uid: ")]
+        assert len(shared) == 1 and "no subordinate uids" in shared[0], notes
         assert daemon.readiness.ready
         assert daemon.supervisor.guests.uids is None
         assert daemon.supervisor.guests.bwrap is not None

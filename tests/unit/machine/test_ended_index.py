@@ -97,3 +97,18 @@ def test_endings_the_index_cannot_take_stay_in_the_journal(
     assert journal.index.count == 1 and journal.record_count == 0
     assert journal.ended("kept") is not None
     journal.close()
+
+
+def test_expiry_forgets_only_what_left_the_window(tmp_path: Path) -> None:
+    clock = NodeClock()
+    index = EndedIndex.open(tmp_path, window_s=100, clock=clock)
+    index.add([ended("old"), ended("older")])
+    clock.now += 50
+    index.add([ended("new")])
+    clock.now += 60  # "old" and "older" ended 110 s ago, "new" 60 s ago
+    assert index.expire() == 2 and index.count == 1
+    assert index.get("old") is None and index.get("new") is not None
+    assert index.expire() == 0
+    clock.now += 41
+    assert index.expire() == 1 and index.count == 0 and index.expire() == 0
+    index.close()

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import pytest
@@ -137,11 +137,20 @@ async def test_a_missing_host_command_fails_start(tmp_path: pathlib.Path) -> Non
     assert caught.value.reason == "start_failed"
 
 
-async def test_the_cupy_backend_without_a_gpu_fails_start() -> None:
-    lane = LaneHost("lane_test", BUDGET, backend="cupy", visible_devices=["GPU-none"])
+@pytest.mark.parametrize("backend", ["cupy", "auto"])
+async def test_a_device_lanes_host_without_cuda_fails_start_cuda_unavailable(
+    backend: Literal["cupy", "auto"],
+) -> None:
+    """A host given a device never serves it from host memory: without CuPy (or a
+    GPU) it refuses its hello with the reason, typed, whether asked for CuPy or
+    `auto`, and exits."""
+    lane = LaneHost("lane_test", BUDGET, backend=backend, visible_devices=["GPU-none"])
+    assert lane.backend == "cupy"
     with pytest.raises(LaneHostFailed) as caught:
         await lane.start()
-    assert caught.value.reason == "start_failed"
+    assert caught.value.reason == "cuda_unavailable"
+    assert "CuPy does not import" in caught.value.message or "CUDA" in caught.value.message
+    assert lane.pid is not None and await wait_gone(lane.pid)
 
 
 @pytest.mark.parametrize("version", [PROTOCOL_VERSION + 1, 0])

@@ -18,7 +18,7 @@ from supervisor import launch
 from supervisor.launch import GATE_SHELL, plan
 from supervisor.output import OutputRing
 from supervisor.process import ProcessSpec, run_process
-from supervisor.sandbox import SandboxSpec
+from supervisor.sandbox import SandboxSpec, SandboxUnavailable
 from supervisor.spawn import spawn
 from tests.fakes.fake_cgroupfs import FakeCgroupV2
 
@@ -136,6 +136,63 @@ def test_the_cwds_descriptor_reaches_bwrap_as_a_copy_the_launch_closes(
         os.fstat(opened)  # the caller's descriptor is still its own
     finally:
         os.close(opened)
+
+
+@pytest.mark.usefixtures("tools")
+def test_a_subordinate_uid_is_taken_by_nsenter_in_the_guests_user_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A daemon that is not root: after the gate, nsenter enters the namespace its
+    subordinate uids are mapped in (a copy of its descriptor, closed with the launch),
+    takes the guest's uid and gid there with no supplementary group, then execs bwrap;
+    setpriv plays no part and the gate gets none of the guest's environment."""
+    monkeypatch.setattr(launch, "find_nsenter", lambda: "/usr/bin/nsenter")
+    userns = os.open("/proc/self/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        sandbox = SandboxSpec(bwrap=Path("/usr/bin/bwrap"), isolate_network=True, userns_fd=userns)
+        found = plan(
+            ["true"], env={"GUEST_SECRET": SECRET}, sandbox=sandbox, uid=410_001, cgroup=None
+        )
+        env_fd, copy = found.pass_fds
+        assert copy != userns and os.path.samestat(os.fstat(copy), os.fstat(userns))
+        assert found.env == {} and found.preexec_fn is None
+        assert SECRET not in " ".join(found.argv)
+        rest = found.argv[len(GATE_SHELL) :]
+        assert found.argv[: len(GATE_SHELL)] == list(GATE_SHELL)
+        assert rest[:5] == [
+            "/usr/bin/nsenter",
+            f"--user=/proc/self/fd/{copy}",
+            "--setuid=410001",
+            "--setgid=410001",
+            "--",
+        ]
+        assert rest[5:8] == ["/usr/bin/bwrap", "--args", str(env_fd)]
+        assert "/usr/bin/setpriv" not in found.argv
+        found.close()
+        with pytest.raises(OSError):
+            os.fstat(copy)
+        os.fstat(userns)  # the caller's descriptor is still its own
+    finally:
+        os.close(userns)
+
+
+@pytest.mark.parametrize("missing", ["nsenter", "clearenv", "uid"])
+def test_a_subordinate_uid_without_nsenter_or_clearenv_is_refused_not_dropped(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    """No other way into the namespace: never a guest as the daemon's own uid instead."""
+    monkeypatch.setattr(launch, "find_nsenter", lambda: None if missing == "nsenter" else "/x")
+    monkeypatch.setattr(launch, "bwrap_takes_env", lambda _bwrap: missing != "clearenv")
+    userns = os.open("/proc/self/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    before = set(os.listdir("/proc/self/fd"))
+    try:
+        sandbox = SandboxSpec(bwrap=Path("/usr/bin/bwrap"), userns_fd=userns)
+        uid = None if missing == "uid" else 410_001
+        with pytest.raises(SandboxUnavailable):
+            plan(["true"], env={}, sandbox=sandbox, uid=uid, cgroup=None)
+        assert set(os.listdir("/proc/self/fd")) <= before  # its copies are closed
+    finally:
+        os.close(userns)
 
 
 def test_a_guest_without_a_uid_of_its_own_is_placed_from_outside(tmp_path: Path) -> None:
