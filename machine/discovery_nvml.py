@@ -1,314 +1,206 @@
 """NVIDIA GPUs through NVML (the `pynvml` module of nvidia-ml-py).
 
-Every NVML call runs in a worker thread (`trio.to_thread.run_sync`, one at a
-time through a CapacityLimiter of 1, `abandon_on_cancel=True`) under a
-deadline: a hung driver cannot stall the event loop, and a reading that times
-out makes its devices `failed` (health `unknown`), never healthy. Fields a
-device does not support (NVMLError_NotSupported) are None, each on its own:
-one unsupported field never hides the others. NVML missing or
-failing to initialise is reported as `NvmlUnavailable`, which discovery turns
-into "no GPU lanes" plus a readiness reason. The module is a parameter so
-tests pass a fake.
+Every NVML call runs off the event loop, under a deadline, in a thread of the
+GPU it concerns (machine/kept_thread.py: a kept thread per GPU, and one for
+NVML's own calls): a hung driver call times out only its GPU's reading, which
+is then `failed` (health `unknown`, never healthy), while every other GPU goes
+on being read; that GPU's next readings wait behind the stuck call and time
+out too, until it returns. What NVML says is read in three parts, each guarded
+on its own: discovery per GPU, per field and per MIG instance
+(machine/nvml_gpu.py), readings per field (machine/nvml_reading.py), and XID
+events from an event set per GPU (machine/nvml_events.py). A GPU that fell
+off the bus and is back is found by `rediscover`, which takes its handle, its
+MIG instances' handles and its XID registration afresh (a reset drops them).
+NVML missing or failing to initialise is reported as `NvmlUnavailable`, which
+discovery turns into "no GPU lanes" plus a readiness reason. The module is a
+parameter so tests pass a fake.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import trio
 
-from machine.inventory import GpuDevice, MigInstance, MigReading, Probe, ProbeStatus
+from machine.inventory import GpuDevice, Probe, ProbeStatus
+from machine.kept_thread import KeptThread
+from machine.nvml_events import XidWatch
+from machine.nvml_fields import device_level, text
+from machine.nvml_gpu import GpuHandle, describe, scan_migs
+from machine.nvml_reading import read_gpu
 
 __all__ = ["NvmlSource", "NvmlUnavailable", "open_nvml"]
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Bound the work one probe does on a storm of events; the rest wait for the next probe.
-MAX_EVENTS_PER_PROBE = 64
 
 
 class NvmlUnavailable(Exception):
     """NVML could not be loaded or initialised (a local condition, not a device fault)."""
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+@dataclasses.dataclass(eq=False)
+class _Device:
+    gpu: GpuHandle
+    watch: XidWatch
+    thread: KeptThread
+    mig_enabled: bool = False
+    # A reading said it is lost: `rediscover` must find it again (and re-register it).
+    lost: bool = False
+    unread: tuple[str, ...] = ()
 
 
-class _Sync:
-    """The blocking half: plain NVML calls, run only inside the worker thread."""
+def _supported(nv: Any, fn: Callable[[], T]) -> T | None:
+    try:
+        return fn()
+    except nv.NVMLError_NotSupported:
+        return None
 
-    def __init__(self, nvml: Any) -> None:
-        self.nvml = nvml
-        self.handles: dict[str, Any] = {}
-        # MIG instance handles of each GPU in MIG mode, by GPU uuid: [(mig uuid, handle)].
-        self.mig_handles: dict[str, list[tuple[str, Any]]] = {}
-        self.slowdown_c: dict[str, float | None] = {}
-        self.event_set: Any = None
-        # GPUs registered for XID events; counts and last code since NVML opened.
-        self.xid_devices: set[str] = set()
-        self.xid_count: dict[str, int] = {}
-        self.last_xid: dict[str, int] = {}
 
-    def opt(self, fn: Callable[..., T], *args: Any) -> T | None:
-        """Call `fn`; None when the device does not support it."""
-        try:
-            return fn(*args)
-        except self.nvml.NVMLError_NotSupported:
-            return None
-
-    def init(self) -> tuple[list[GpuDevice], str | None, str | None, list[str]]:
-        nv = self.nvml
-        nv.nvmlInit()
-        driver = self.opt(nv.nvmlSystemGetDriverVersion)
-        cuda_raw = self.opt(nv.nvmlSystemGetCudaDriverVersion)
-        cuda = f"{cuda_raw // 1000}.{cuda_raw % 1000 // 10}" if cuda_raw else None
-        notes: list[str] = []
-        try:
-            self.event_set = nv.nvmlEventSetCreate()
-        except nv.NVMLError as exc:
-            notes.append(f"nvml_events_unavailable: {exc}")
-        gpus = []
-        for index in range(nv.nvmlDeviceGetCount()):
-            try:
-                handle = nv.nvmlDeviceGetHandleByIndex(index)
-                uuid = _text(nv.nvmlDeviceGetUUID(handle))
-            except nv.NVMLError as exc:
-                notes.append(f"gpu_unreadable: index {index}: {exc}")
-                continue
-            self.handles[uuid] = handle
-            gpus.append(self.describe(uuid, handle))
-            if self.event_set is not None:
-                try:
-                    nv.nvmlDeviceRegisterEvents(
-                        handle, nv.nvmlEventTypeXidCriticalError, self.event_set
-                    )
-                except nv.NVMLError as exc:
-                    notes.append(f"xid_events_unavailable: {uuid}: {exc}")
-                else:
-                    self.xid_devices.add(uuid)
-        return gpus, _text(driver) if driver is not None else None, cuda, notes
-
-    def describe(self, uuid: str, handle: Any) -> GpuDevice:
-        nv = self.nvml
-        try:
-            name = _text(nv.nvmlDeviceGetName(handle))
-            pci = self.opt(nv.nvmlDeviceGetPciInfo, handle)
-            mem = nv.nvmlDeviceGetMemoryInfo(handle)
-            cc = self.opt(nv.nvmlDeviceGetCudaComputeCapability, handle)
-            mig_mode = self.opt(nv.nvmlDeviceGetMigMode, handle)
-            self.slowdown_c[uuid] = self.opt(
-                nv.nvmlDeviceGetTemperatureThreshold, handle, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
-            )
-        except nv.NVMLError:
-            # Known by uuid but unreadable: listed with no capacity; its probe says why.
-            return GpuDevice(uuid=uuid, name="unknown", pci_bus_id=None, memory_total_bytes=0)
-        mig_enabled = mig_mode is not None and mig_mode[0] == nv.NVML_DEVICE_MIG_ENABLE
-        return GpuDevice(
-            uuid=uuid,
-            name=name,
-            pci_bus_id=_text(pci.busId) if pci is not None else None,
-            memory_total_bytes=int(mem.total),
-            memory_used_bytes=int(mem.used),
-            memory_free_bytes=int(mem.free),
-            compute_capability=f"{cc[0]}.{cc[1]}" if cc is not None else None,
-            mig_enabled=mig_enabled,
-            mig_instances=self.mig_instances(uuid, handle) if mig_enabled else (),
-            minor_number=self.opt(nv.nvmlDeviceGetMinorNumber, handle),
-        )
-
-    def mig_instances(self, uuid: str, handle: Any) -> tuple[MigInstance, ...]:
-        nv = self.nvml
-        found = []
-        handles = self.mig_handles[uuid] = []
-        for index in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
-            except nv.NVMLError_NotFound:
-                continue  # an empty slot
-            mem = nv.nvmlDeviceGetMemoryInfo(mig)
-            handles.append((_text(nv.nvmlDeviceGetUUID(mig)), mig))
-            found.append(
-                MigInstance(
-                    uuid=_text(nv.nvmlDeviceGetUUID(mig)),
-                    name=_text(self.opt(nv.nvmlDeviceGetName, mig) or "mig"),
-                    memory_total_bytes=int(mem.total),
-                    memory_used_bytes=int(mem.used),
-                    gpu_instance_id=self.opt(nv.nvmlDeviceGetGpuInstanceId, mig),
-                    compute_instance_id=self.opt(nv.nvmlDeviceGetComputeInstanceId, mig),
-                )
-            )
-        return tuple(found)
-
-    def drain_xids(self) -> dict[str, list[int]]:
-        nv = self.nvml
-        xids: dict[str, list[int]] = {}
-        if self.event_set is None:
-            return xids
-        for _ in range(MAX_EVENTS_PER_PROBE):
-            try:
-                data = nv.nvmlEventSetWait_v2(self.event_set, 0)
-            except nv.NVMLError_Timeout:
-                break
-            if not data.eventType & nv.nvmlEventTypeXidCriticalError:
-                continue
-            try:
-                uuid = _text(nv.nvmlDeviceGetUUID(data.device))
-            except nv.NVMLError:
-                continue
-            xids.setdefault(uuid, []).append(int(data.eventData))
-            self.xid_count[uuid] = self.xid_count.get(uuid, 0) + 1
-            self.last_xid[uuid] = int(data.eventData)
-        return xids
-
-    def ecc(self, handle: Any, kind: int, counter: int) -> int | None:
-        count = self.opt(self.nvml.nvmlDeviceGetTotalEccErrors, handle, kind, counter)
-        return int(count) if count is not None else None
-
-    def memory(self, handle: Any) -> tuple[int | None, int | None]:
-        mem = self.opt(self.nvml.nvmlDeviceGetMemoryInfo, handle)
-        return (int(mem.used), int(mem.free)) if mem is not None else (None, None)
-
-    def utilization(self, handle: Any) -> tuple[float | None, float | None]:
-        rates = self.opt(self.nvml.nvmlDeviceGetUtilizationRates, handle)
-        return (float(rates.gpu), float(rates.memory)) if rates is not None else (None, None)
-
-    def mig_reading(self, uuid: str, handle: Any) -> MigReading:
-        nv = self.nvml
-        try:
-            used, free = self.memory(handle)
-            util_gpu, util_memory = self.utilization(handle)  # unsupported on most MIG setups
-        except nv.NVMLError_GpuIsLost:
-            raise
-        except nv.NVMLError:
-            # An instance that went away says nothing about its GPU's health: no reading.
-            return MigReading(uuid=uuid)
-        return MigReading(
-            uuid=uuid,
-            memory_used_bytes=used,
-            memory_free_bytes=free,
-            utilization_gpu_percent=util_gpu,
-            utilization_memory_percent=util_memory,
-        )
-
-    def read(self, uuid: str, xids: list[int]) -> Probe:
-        nv = self.nvml
-        handle = self.handles[uuid]
-        uncorrected, corrected = (
-            nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-            nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-        )
-        volatile, aggregate = nv.NVML_VOLATILE_ECC, nv.NVML_AGGREGATE_ECC
-        try:
-            temp = self.opt(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
-            power_mw = self.opt(nv.nvmlDeviceGetPowerUsage, handle)
-            ecc = self.ecc(handle, uncorrected, volatile)
-            retired = self.opt(nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
-            remapped = self.opt(nv.nvmlDeviceGetRemappedRows, handle)
-            used, free = self.memory(handle)
-            util_gpu, util_memory = self.utilization(handle)
-            sm_clock = self.opt(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
-            mem_clock = self.opt(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM)
-            ecc_counts = (
-                self.ecc(handle, corrected, volatile),
-                self.ecc(handle, corrected, aggregate),
-                self.ecc(handle, uncorrected, aggregate),
-            )
-            migs = tuple(self.mig_reading(m, h) for m, h in self.mig_handles.get(uuid, ()))
-        except nv.NVMLError_GpuIsLost as exc:
-            return Probe(device_id=uuid, status=ProbeStatus.LOST, error=str(exc), xids=tuple(xids))
-        except nv.NVMLError as exc:
-            return Probe(
-                device_id=uuid, status=ProbeStatus.FAILED, error=str(exc), xids=tuple(xids)
-            )
-        slowdown = self.slowdown_c.get(uuid)
-        events = uuid in self.xid_devices
-        return Probe(
-            device_id=uuid,
-            status=ProbeStatus.OK,
-            xids=tuple(xids),
-            temperature_c=float(temp) if temp is not None else None,
-            power_w=power_mw / 1000 if power_mw is not None else None,
-            ecc_volatile_uncorrected=ecc,
-            retired_pages_pending=(retired == nv.NVML_FEATURE_ENABLED)
-            if retired is not None
-            else None,
-            remapped_rows_pending=bool(remapped[2] or remapped[3])
-            if remapped is not None
-            else None,
-            memory_used_bytes=used,
-            memory_free_bytes=free,
-            utilization_gpu_percent=util_gpu,
-            utilization_memory_percent=util_memory,
-            sm_clock_mhz=int(sm_clock) if sm_clock is not None else None,
-            memory_clock_mhz=int(mem_clock) if mem_clock is not None else None,
-            ecc_volatile_corrected=ecc_counts[0],
-            ecc_aggregate_corrected=ecc_counts[1],
-            ecc_aggregate_uncorrected=ecc_counts[2],
-            xid_count=self.xid_count.get(uuid, 0) if events else None,
-            last_xid=self.last_xid.get(uuid, 0) if events else None,
-            mig=migs,
-            over_temperature=temp is not None and slowdown is not None and temp >= slowdown,
-        )
-
-    def probe(self) -> list[Probe]:
-        try:
-            xids = self.drain_xids()
-        except self.nvml.NVMLError:
-            xids = {}
-        return [self.read(uuid, xids.get(uuid, [])) for uuid in self.handles]
-
-    def rediscover(self) -> set[str]:
-        nv = self.nvml
-        visible = set()
-        for uuid in self.handles:
-            try:
-                handle = nv.nvmlDeviceGetHandleByUUID(uuid)
-                nv.nvmlDeviceGetMemoryInfo(handle)
-                if uuid in self.mig_handles:  # a reset GPU hands out new MIG handles
-                    self.mig_instances(uuid, handle)
-            except nv.NVMLError:
-                continue
-            self.handles[uuid] = handle
-            visible.add(uuid)
-        return visible
-
-    def close(self) -> None:
-        nv = self.nvml
-        try:
-            if self.event_set is not None:
-                nv.nvmlEventSetFree(self.event_set)
-        finally:
-            nv.nvmlShutdown()
+def _answers(nv: Any, handle: Any) -> bool:
+    """The device answers (a refusal, NoPermission in MIG mode, is an answer)."""
+    try:
+        nv.nvmlDeviceGetMemoryInfo(handle)
+    except nv.NVMLError as exc:
+        return not device_level(nv, exc)
+    return True
 
 
 class NvmlSource:
     """A DeviceSource over NVML. Build it with `open_nvml`."""
 
     def __init__(self, nvml: Any, *, call_timeout: float) -> None:
-        self._sync = _Sync(nvml)
+        self._nv = nvml
         self._timeout = call_timeout
-        self._limiter = trio.CapacityLimiter(1)
+        self._system = KeptThread("nvml")
+        self._devices: dict[str, _Device] = {}
         self._closed = False
 
-    async def _call(self, fn: Callable[[], T]) -> T:
+    async def _run(self, thread: KeptThread, fn: Callable[[], T]) -> T:
         with trio.fail_after(self._timeout):
-            return await trio.to_thread.run_sync(fn, limiter=self._limiter, abandon_on_cancel=True)
+            return await thread.run(fn)
 
-    async def probe(self) -> list[Probe]:
+    # -- discovery ---------------------------------------------------------------
+    async def _open(self) -> tuple[list[GpuDevice], str | None, str | None, list[str]]:
+        found, driver, cuda, notes = await self._run(self._system, self._init)
+        for uuid, handle in found:  # in NVML's order
+            thread = KeptThread(f"nvml {uuid}")
+            device = _Device(GpuHandle(uuid=uuid, handle=handle), XidWatch(self._nv), thread)
+            self._devices[uuid] = device
+        described: dict[str, tuple[GpuDevice, list[str]]] = {}
+        async with trio.open_nursery() as nursery:
+            for device in self._devices.values():
+                nursery.start_soon(self._describe, device, described)
+        gpus = []
+        for uuid in self._devices:
+            gpu, gpu_notes = described[uuid]
+            gpus.append(gpu)
+            notes += gpu_notes
+        return gpus, driver, cuda, notes
+
+    def _init(self) -> tuple[list[tuple[str, Any]], str | None, str | None, list[str]]:
+        nv = self._nv
+        nv.nvmlInit()
+        driver = _supported(nv, nv.nvmlSystemGetDriverVersion)
+        cuda_raw = _supported(nv, nv.nvmlSystemGetCudaDriverVersion)
+        cuda = f"{cuda_raw // 1000}.{cuda_raw % 1000 // 10}" if cuda_raw else None
+        notes: list[str] = []
+        found = []
+        for index in range(nv.nvmlDeviceGetCount()):
+            try:
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                found.append((text(nv.nvmlDeviceGetUUID(handle)), handle))
+            except nv.NVMLError as exc:
+                notes.append(f"gpu_unreadable: index {index}: {exc}")
+        return found, text(driver) if driver is not None else None, cuda, notes
+
+    async def _describe(self, device: _Device, out: dict[str, tuple[GpuDevice, list[str]]]) -> None:
+        uuid = device.gpu.uuid
+        notes: list[str] = []
         try:
-            return await self._call(self._sync.probe)
+            gpu = await self._run(
+                device.thread, functools.partial(self._describe_sync, device, notes)
+            )
         except trio.TooSlowError:
-            return [
-                Probe(device_id=uuid, status=ProbeStatus.FAILED, error="nvml_timeout")
-                for uuid in self._sync.handles
-            ]
+            notes.append(f"gpu_unreadable: {uuid}: nvml_timeout")
+            gpu = GpuDevice(uuid=uuid, name="unknown", pci_bus_id=None, memory_total_bytes=0)
+        out[uuid] = (gpu, list(notes))
+
+    def _describe_sync(self, device: _Device, notes: list[str]) -> GpuDevice:
+        uuid, handle = device.gpu.uuid, device.gpu.handle
+        gpu, device.gpu = describe(self._nv, uuid, handle, notes)
+        device.mig_enabled = gpu.mig_enabled
+        refused = device.watch.open(handle)
+        if refused is not None:
+            # XID counts then read None (unmonitored); health goes on other signals.
+            notes.append(f"xid_events_unavailable: {uuid}: {refused}")
+        return gpu
+
+    # -- readings ----------------------------------------------------------------
+    async def probe(self) -> list[Probe]:
+        probes: dict[str, Probe] = {}
+        async with trio.open_nursery() as nursery:
+            for device in self._devices.values():
+                nursery.start_soon(self._probe_one, device, probes)
+        return [probes[uuid] for uuid in self._devices]
+
+    async def _probe_one(self, device: _Device, out: dict[str, Probe]) -> None:
+        uuid = device.gpu.uuid
+        read = functools.partial(read_gpu, self._nv, device.gpu, device.watch)
+        try:
+            probe = await self._run(device.thread, read)
+        except trio.TooSlowError:
+            probe = Probe(device_id=uuid, status=ProbeStatus.FAILED, error="nvml_timeout")
+        if probe.status is ProbeStatus.LOST:
+            device.lost = True
+        elif probe.status is ProbeStatus.OK and probe.unread != device.unread:
+            device.unread = probe.unread
+            if probe.unread:
+                log.warning("GPU %s: NVML refused %s", uuid, "; ".join(probe.unread))
+        out[uuid] = probe
 
     async def rediscover(self) -> set[str]:
+        """Devices readable again: the ones never lost, and lost ones found again."""
+        visible = {uuid for uuid, device in self._devices.items() if not device.lost}
+        async with trio.open_nursery() as nursery:
+            for device in self._devices.values():
+                if device.lost:
+                    nursery.start_soon(self._rediscover_one, device, visible)
+        return visible
+
+    async def _rediscover_one(self, device: _Device, visible: set[str]) -> None:
         try:
-            return await self._call(self._sync.rediscover)
+            back = await self._run(device.thread, functools.partial(self._found_again, device))
         except trio.TooSlowError:
-            return set()
+            return
+        if back:
+            device.lost = False
+            visible.add(device.gpu.uuid)
+
+    def _found_again(self, device: _Device) -> bool:
+        nv, uuid = self._nv, device.gpu.uuid
+        notes: list[str] = []
+        try:
+            handle = nv.nvmlDeviceGetHandleByUUID(uuid)
+            if not _answers(nv, handle):
+                return False
+            if device.mig_enabled:  # a reset GPU hands out new MIG handles
+                _, migs = scan_migs(nv, uuid, handle, "", notes)
+                device.gpu.migs = migs
+        except nv.NVMLError:
+            return False
+        device.gpu.handle = handle
+        # A reset dropped the GPU's XID registration: made again on the new handle.
+        refused = device.watch.open(handle)
+        for note in notes:
+            log.warning("GPU %s found again: %s", uuid, note)
+        if refused is not None:
+            log.warning("GPU %s found again: XID events unavailable: %s", uuid, refused)
+        return True
 
     async def aclose(self) -> None:
         if self._closed:
@@ -317,11 +209,16 @@ class NvmlSource:
         # Shielded with a deadline: closing must not hang shutdown, nor be skipped by it.
         with trio.move_on_after(self._timeout, shield=True):
             try:
-                await trio.to_thread.run_sync(
-                    self._sync.close, limiter=self._limiter, abandon_on_cancel=True
-                )
-            except self._sync.nvml.NVMLError:
+                await self._system.run(self._close_sync)
+            except self._nv.NVMLError:
                 pass
+
+    def _close_sync(self) -> None:
+        try:
+            for device in self._devices.values():
+                device.watch.close()
+        finally:
+            self._nv.nvmlShutdown()
 
 
 async def open_nvml(
@@ -334,7 +231,7 @@ async def open_nvml(
     """
     source = NvmlSource(nvml, call_timeout=call_timeout)
     try:
-        gpus, driver, cuda, notes = await source._call(source._sync.init)
+        gpus, driver, cuda, notes = await source._open()
     except trio.TooSlowError as exc:
         raise NvmlUnavailable("nvmlInit timed out") from exc
     except Exception as exc:  # a missing library raises OSError-like errors too

@@ -228,7 +228,9 @@ def classify(
         signals.append((Signal.ECC, "retired_pages_pending: reset needed"))
     if probe.remapped_rows_failed:
         # Permanent: a reset does not bring the rows back (the GPU needs service).
-        signals.append((Signal.ECC, "remapped_rows_failed: row remapping failed, GPU needs service"))
+        signals.append(
+            (Signal.ECC, "remapped_rows_failed: row remapping failed, GPU needs service")
+        )
     elif probe.remapped_rows_pending:
         signals.append((Signal.ECC, "remapped_rows_pending: reset needed"))
     if probe.over_temperature:

@@ -118,7 +118,9 @@ def _memory(
         f.answered += 1
         return int(mem.used), int(mem.free)
     v2 = tried.get(
-        "memory", functools.partial(nv.nvmlDeviceGetMemoryInfo, version=nv.nvmlMemory_v2), gpu.handle
+        "memory",
+        functools.partial(nv.nvmlDeviceGetMemoryInfo, version=nv.nvmlMemory_v2),
+        gpu.handle,
     )
     if v2 is not None:
         f.answered += 1

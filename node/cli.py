@@ -54,8 +54,14 @@ COMMANDS = {
     "status": "the node's readiness, drain, capacity, lanes and invocation counts",
     "ls": "list invocations (--state, --limit)",
     "cancel": "cancel ID: cancel an invocation and wait until it has released everything",
-    "drain": "drain [LANE]: admit no new work on a lane, or the whole node; running work goes on",
-    "resume": "resume [LANE]: admit work again on a lane, or the whole node",
+    "drain": (
+        "drain [LANE]: admit no new work on a lane, or the whole node; running work goes on"
+        " (uses the admin secret of the auth file)"
+    ),
+    "resume": (
+        "resume [LANE]: admit work again on a lane, or the whole node"
+        " (uses the admin secret of the auth file)"
+    ),
     "logs": "logs ID [-f]: print an invocation's stdout (or --stream stderr); -f follows it",
     "contracts": "write (or --check) the JSON Schemas and OpenAPI in api/contracts/",
 }

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Sequence, Sized
 from typing import Protocol
 
 from api.wire import NodeStatus
 from machine.snapshot import Amounts, NodeSnapshot
-from supervisor.wire import InvocationState, InvocationStatus
+from supervisor.wire import Command, InvocationState, InvocationStatus
 
-__all__ = ["gpu_summary", "invocation_table", "status_text", "table"]
+__all__ = ["command_text", "duration", "gpu_summary", "invocation_table", "status_text", "table"]
+
+# The COMMAND column's width; `ls --json` has the whole (bounded) argv.
+COMMAND_COLUMN = 60
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -97,12 +101,50 @@ def status_text(node: NodeStatus, snapshot: NodeSnapshot) -> str:
     return "".join(out)
 
 
+def _printable(text: str) -> str:
+    """`text` on one line: control characters (a newline in `sh -c` scripts) escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def command_text(command: Command | None, width: int = COMMAND_COLUMN) -> str:
+    """A command on one line of at most `width` characters: the argv as a shell would
+    read it ("…" where it was cut), or `builtin:NAME`; "-" when the status has none."""
+    if command is None:
+        return "-"
+    if command.kind == "builtin":
+        text = f"builtin:{command.name}"
+    else:
+        text = " ".join(_printable(shlex.quote(arg)) for arg in command.argv)
+        if command.argc > len(command.argv):
+            text += " …"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def duration(seconds: float | None) -> str:
+    """`0.25s`, `42.0s`, `3m04s`, `2h05m`; "-" when unknown."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.2f}s"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
 def invocation_table(invocations: Sequence[InvocationStatus]) -> str:
+    """One row per invocation; COMMAND last, as it holds spaces."""
     rows = [
         [inv.id, inv.state.value, inv.reason or "-",
          "-" if inv.exit_code is None else str(inv.exit_code),
-         ",".join(lane.lane_id for lane in inv.lanes) or "-",
-         inv.submitted_at, inv.ended_at or "-"]
+         duration(inv.duration_s),
+         ",".join(f"{lane.kind}:{lane.lane_id}" for lane in inv.lanes) or "-",
+         inv.submitted_at, command_text(inv.command)]
         for inv in invocations
     ]  # fmt: skip
-    return table(["ID", "STATE", "REASON", "EXIT", "LANES", "SUBMITTED", "ENDED"], rows)
+    header = ["ID", "STATE", "REASON", "EXIT", "DURATION", "LANES", "SUBMITTED", "COMMAND"]
+    return table(header, rows)

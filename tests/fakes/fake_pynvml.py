@@ -473,7 +473,7 @@ class FakeNvml:
         rates.gpu, rates.memory = gpu.utilization_gpu, gpu.utilization_memory
         return rates
 
-    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:  # noqa: A002 (the real name)
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:  # `type`: the real name
         gpu = self._enter("nvmlDeviceGetClockInfo", handle)
         assert gpu is not None
         if type == pynvml.NVML_CLOCK_MEM:

@@ -28,7 +28,9 @@ CAPS_MAJOR = 237
 def inventory() -> Inventory:
     return Inventory(
         backend="nvml",
-        cpu=CpuInfo(logical_cores=2, physical_cores=2, model="m", numa_nodes=1, capacity_millis=2000),
+        cpu=CpuInfo(
+            logical_cores=2, physical_cores=2, model="m", numa_nodes=1, capacity_millis=2000
+        ),
         memory=MemoryInfo(total_bytes=2**32, available_bytes=2**32, capacity_bytes=2**32),
         gpus=(
             GpuDevice(

@@ -16,8 +16,8 @@ from machine.monitor import probe_once
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml, gpu_and_mig, nvml_error
 
 
-async def nvml_inventory(fake: FakeNvml, timeout: float = 5.0) -> Inventory:
-    inv = await discover("nvml", pynvml_module=fake, nvml_call_timeout=timeout)
+async def nvml_inventory(fake: FakeNvml, call_timeout: float = 5.0) -> Inventory:
+    inv = await discover("nvml", pynvml_module=fake, nvml_call_timeout=call_timeout)
     assert inv.backend == "nvml" and inv.source is not None
     return inv
 
@@ -86,7 +86,7 @@ async def test_a_device_level_error_on_one_field_fails_the_reading() -> None:
 
 async def test_one_hung_gpu_makes_only_itself_unknown() -> None:
     fake = gpu_and_mig()
-    inv = await nvml_inventory(fake, timeout=0.3)
+    inv = await nvml_inventory(fake, call_timeout=0.3)
     fake.gpus[0].hangs.add("nvmlDeviceGetTemperature")
     try:
         for _ in range(2):  # and again while its thread is still stuck

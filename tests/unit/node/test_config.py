@@ -202,3 +202,18 @@ def test_only_dev_gives_guests_the_host_network_they_ask_for_unless_told(
 
     assert dev([]).guest_host_network is True
     assert dev(["--no-guest-host-network"]).guest_host_network is False
+
+
+def test_dev_gives_guests_subordinate_uids_unless_told(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    table = load_flag_table()
+
+    def dev(argv: list[str], env: dict[str, str] | None = None) -> Config:
+        parsed = parse_argv(table, ["dev", *argv], env or {}, tuple(COMMANDS))
+        return dev_config(Invocation(table, parsed))
+
+    assert dev([]).guest_subuids is True
+    assert dev(["--no-guest-subuids"]).guest_subuids is False
+    assert dev([], {"LITEGRAPH_NODE_GUEST_SUBUIDS": "false"}).guest_subuids is False

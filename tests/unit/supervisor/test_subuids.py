@@ -6,8 +6,8 @@ kernel: tests/confinement/test_guest_subuids.py."""
 from __future__ import annotations
 
 import os
-import re
 import pathlib
+import re
 import shutil
 import time
 
@@ -90,8 +90,9 @@ def test_guests_get_the_largest_run_of_ids_that_are_the_users_uids_and_gids_both
 
 def test_guest_ids_are_never_system_ids_nor_the_daemons_own(tmp_path: pathlib.Path) -> None:
     files = _files(tmp_path, "alice:0:2000\n", "alice:0:2000\n")
-    # Below 1000 are system accounts; the daemon's uid 1500 and gid 1200 split the rest.
-    assert guest_subids("alice", 1500, 1200, **files) == range(1201, 1500)
+    # Below 1000 are system accounts; the daemon's uid 1900 and gid 1200 split the rest
+    # into 1000-1199, 1201-1899 and 1901-1999.
+    assert guest_subids("alice", 1900, 1200, **files) == range(1201, 1900)
     files = _files(tmp_path, "alice:900:200\n", "alice:900:200\n")
     assert guest_subids("alice", 50, 50, **files) == range(1000, 1100)
 
