@@ -18,6 +18,7 @@ from supervisor.wire import (
     InvocationRequest,
     InvocationState,
     InvocationStatus,
+    ProcessWork,
     WaitReply,
     WaitRequest,
 )
@@ -59,6 +60,12 @@ CWD_HINT = (
     "unless --cwd DIR names another; --cwd none sends none, and it starts in its "
     "private /tmp (a node allows a cwd only under its --guest-cwd-roots; dev: the "
     "folder it was started in)"
+)
+
+
+CWD_FALLBACK = (
+    "litegraph-node run: starting it in its private /tmp instead "
+    "(--cwd DIR insists on a folder; --cwd none says so)"
 )
 
 
@@ -130,7 +137,11 @@ async def follow_command(
     *,
     out: BinaryIO | None = None,
     err: BinaryIO | None = None,
+    cwd_fallback: bool = False,
 ) -> int:
+    """Submit `request` and follow it to its end; its exit status. `cwd_fallback`: a
+    refused cwd (one run chose, not the user) is dropped and the request sent again
+    without it, once, with a line saying so."""
     out = out or sys.stdout.buffer
     err = err or sys.stderr.buffer
     invocation_id = request.id
@@ -139,6 +150,18 @@ async def follow_command(
         base_url=base_url, headers=headers, timeout=REQUEST_SECONDS
     ) as client:
         reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
+        work = request.work
+        if (
+            cwd_fallback
+            and reply.status_code == 422
+            and _error_code(reply) == "invalid_cwd"
+            and isinstance(work, ProcessWork)
+        ):
+            _say(err, f"litegraph-node run: {_error_text(reply)}")
+            _say(err, CWD_FALLBACK)
+            # A refusal changed nothing at the node: the id is still free.
+            request = msgspec.structs.replace(request, work=msgspec.structs.replace(work, cwd=None))
+            reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
         if reply.status_code != 202:
             _say(err, f"litegraph-node run: refused ({reply.status_code}) {_error_text(reply)}")
             if _error_code(reply) == "invalid_cwd":

@@ -35,6 +35,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "numpy", "cupy"]
+CUPY_POOL_UNIT = 512  # cupy.cuda.MemoryPool rounds every allocation up to this
 ArrayBackend = Literal["numpy", "cupy"]
 
 
@@ -59,6 +60,13 @@ class Backend:
     overhead: int = 0
     # CuPy's memory pool (None on NumPy): limited to the budget, emptied after frees.
     pool: Any = None
+    # The pool's allocation unit: every block it hands out is a multiple of it, so
+    # that is what an array costs the budget (512 bytes on CuPy; 1 on NumPy).
+    granule: int = 1
+
+    def charge(self, nbytes: int) -> int:
+        """What `nbytes` of array cost the budget: rounded up to the pool's unit."""
+        return -(-nbytes // self.granule) * self.granule
 
     @functools.cached_property
     def xp(self) -> Any:
@@ -206,6 +214,7 @@ def cupy_backend(
         device_errors=device_errors,
         overhead=overhead,
         pool=pool,
+        granule=CUPY_POOL_UNIT,
     )
 
 

@@ -61,6 +61,7 @@ class Refused(Exception):
 class _Buffer:
     array: Any
     nbytes: int
+    charged: int  # what it costs the budget: nbytes in the pool's blocks
 
 
 class LaneState:
@@ -157,14 +158,15 @@ class LaneState:
         if len(self._buffers) >= MAX_BUFFERS:
             raise Refused("too_many_buffers", f"the lane holds {MAX_BUFFERS} buffers already")
         nbytes = math.prod(request.shape) * ITEMSIZE[request.dtype]
-        if nbytes > self.free:
+        charged = self._backend.charge(nbytes)
+        if charged > self.free:
             raise Refused("out_of_memory", f"{nbytes} bytes asked, {self._free_text()}")
         try:
             array = self._backend.zeros(request.dtype, request.shape)
         except self._backend.out_of_memory as exc:
             raise Refused("out_of_memory", f"the device refused {nbytes} bytes: {exc}") from exc
-        self._buffers[request.buffer_id] = _Buffer(array, nbytes)
-        self._used += nbytes
+        self._buffers[request.buffer_id] = _Buffer(array, nbytes, charged)
+        self._used += charged
         return AllocReply(id=request.id, buffer_id=request.buffer_id, nbytes=nbytes)
 
     def _free_text(self) -> str:
@@ -185,7 +187,7 @@ class LaneState:
     def _drop(self, buffer_id: str) -> int:
         buf = self._buffer(buffer_id)
         del self._buffers[buffer_id]
-        self._used -= buf.nbytes
+        self._used -= buf.charged
         return buf.nbytes
 
     def _free_all(self, request: FreeAll) -> FreeAllReply:
@@ -222,7 +224,7 @@ class LaneState:
             kernel.check(request.args, arrays)
         except KernelError as exc:
             raise Refused("bad_args", str(exc)) from exc
-        scratch = kernel.scratch(arrays)
+        scratch = self._backend.charge(kernel.scratch(arrays))
         if scratch > self.free:
             raise Refused(
                 "out_of_memory",

@@ -39,7 +39,8 @@ __all__ = ["INDEX_FILENAME", "MAX_IDS", "WINDOW_S", "EndedIndex", "IndexUnusable
 
 INDEX_FILENAME = "ended.sqlite3"
 WINDOW_S = 24 * 3600.0
-# About 700 bytes an id on disk (its outcome is most of it): 1,000,000 is ~0.7 GB.
+# About 600 bytes an id on disk (its outcome is most of it; up to ~7 KiB with 16 full
+# labels and a 1 KiB command line): 1,000,000 is ~0.6 GB, at most ~7 GB.
 MAX_IDS = 1_000_000
 _BUSY_MS = 5000  # a reader never blocks a WAL writer; this bounds a stray lock
 

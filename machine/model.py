@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import trio
 
 from machine.cgroups import Cgroups
+from machine.devnodes import PROC, check_mig_caps
 from machine.discovery import discover
 from machine.group_commit import GroupCommit
 from machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
@@ -179,11 +180,15 @@ class Machine:
         accept_journal_loss: bool = False,
         idempotency_window: float = WINDOW_S,
         idempotency_max_ids: int = MAX_IDS,
+        dev_root: Path | None = None,
+        proc_root: Path = PROC,
     ) -> Machine:
         """Discover, open and replay the journal, reconcile. Raises JournalError (unsafe,
         corrupt or lost journal: `accept_journal_loss` opens one that lost records) and
         DiscoveryError (bad mode or sim file); NVML trouble is a readiness reason in
-        `inventory`, not an exception. `host`: see `discover`."""
+        `inventory`, not an exception. `host`: see `discover`. `dev_root`: where guests'
+        device nodes are (`--dev-root`); with NVML, MIG lanes whose capability nodes
+        cannot be had there are out of service with why (machine/devnodes.py)."""
         inventory = await discover(
             devices, sim_file=sim_file, pynvml_module=pynvml_module, host=host
         )
@@ -205,6 +210,12 @@ class Machine:
             vram_headroom_bytes=vram_headroom_bytes,
         )
         ledger_box.append(ledger)
+        if dev_root is not None and inventory.backend == "nvml":
+            check = functools.partial(
+                check_mig_caps, inventory, ledger.lanes(), dev_root, proc_root
+            )
+            for lane_id, reason in (await trio.to_thread.run_sync(check)).items():
+                ledger.fault_lane(lane_id, reason, cause="mig_caps")
         with trio.fail_after(journal_timeout):
             journal, replay = await trio.to_thread.run_sync(
                 functools.partial(

@@ -288,7 +288,15 @@ def _cmd_run(inv: Invocation) -> int:
     return _run_client(
         inv,
         url,
-        functools.partial(follow_command, url, secret, inv.request),
+        functools.partial(
+            follow_command,
+            url,
+            secret,
+            inv.request,
+            # The current folder went as the cwd because none was named: if the guest
+            # may not start there, it starts in its private /tmp instead, saying so.
+            cwd_fallback=not inv.options["cwd"],
+        ),
     )
 
 

@@ -401,6 +401,7 @@ class Daemon:
                 recovery_probes=config.recovery_probes,
                 on_transition=self._on_transition,
                 pynvml_module=self._pynvml,
+                dev_root=pathlib.Path(config.dev_root),
                 cgroups=None if isinstance(cgroups, CgroupsUnavailable) else cgroups,
                 accept_journal_loss=config.accept_journal_loss,
                 idempotency_window=config.idempotency_window,

@@ -1,8 +1,10 @@
 """How guest processes are confined on this node, decided once at start-up.
 
 `GuestPolicy` says whether guests run in a sandbox (bubblewrap), under which
-uids, which device nodes exist, where the node's Unix socket is, under which
-roots a guest's cwd may lie and under which it may be written on the host;
+uids (for a daemon that is not root: subordinate uids, taken in the user namespace
+they are mapped in, `supervisor/subuids.py`), which device nodes exist, where the
+node's Unix socket is, under which roots a guest's cwd may lie and under which it
+may be written on the host;
 `guest_session` turns one invocation's grant into what `run_process` needs and
 gives it all back (uid, token file) once the invocation's processes are gone.
 """

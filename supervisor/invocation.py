@@ -59,7 +59,9 @@ def unix_time(text: str) -> float | None:
     return stamp.timestamp()
 
 
-def duration_between(start: str | None, end: str | None, *, now: float | None = None) -> float | None:
+def duration_between(
+    start: str | None, end: str | None, *, now: float | None = None
+) -> float | None:
     """Seconds from `start` to `end` (to `now` when `end` is None), in milliseconds as
     the times are written; None when `start` is unknown or a time does not parse."""
     began = None if start is None else unix_time(start)

@@ -15,6 +15,10 @@ import trio
 from supervisor.lane_host import LaneHost
 
 BUDGET = 1 << 20  # the lane's VRAM budget in these tests: 1 MiB
+# On CUDA a host holds its own context out of its budget (some hundreds of MiB,
+# measured at its start): a CUDA test host gets this much more, and the tests
+# count in `usable(host)`, what its buffers may take.
+CUDA_SLACK = 2 << 30
 
 
 def process_gone(pid: int) -> bool:
@@ -80,10 +84,27 @@ async def device_host(device_backend: str) -> AsyncIterator[LaneHost]:
     uuid, _ = cuda_device()
     devices = [uuid] if device_backend == "cupy" and uuid is not None else []
     backend: Literal["numpy", "cupy"] = "cupy" if device_backend == "cupy" else "numpy"
+    budget = BUDGET + (CUDA_SLACK if backend == "cupy" else 0)
     async with LaneHost(
-        "lane_test", BUDGET, backend=backend, visible_devices=devices, op_timeout=10.0
+        "lane_test", budget, backend=backend, visible_devices=devices, op_timeout=10.0
     ) as started:
         yield started
+
+
+def usable(host: LaneHost) -> int:
+    """What a started host's buffers may take: its budget less what it holds for
+    itself (its CUDA context; nothing on NumPy). BUDGET on NumPy."""
+    return host.hello.memory_total - host.hello.memory_reserved
+
+
+def block(host: LaneHost) -> int:
+    """The unit an array costs the budget in: CuPy's pool blocks of 512 bytes."""
+    return 512 if host.hello.backend == "cupy" else 1
+
+
+def charged(host: LaneHost, nbytes: int) -> int:
+    unit = block(host)
+    return -(-nbytes // unit) * unit
 
 
 def fake_host(tmp_path: pathlib.Path, body: str) -> list[str]:
@@ -115,4 +136,15 @@ send(p.HelloReply(id=hello.id, version=p.PROTOCOL_VERSION, backend="numpy",
 request = read_frame()
 """
 
-__all__ = ["BUDGET", "HELLO_THEN", "fake_host", "host", "process_gone", "wait_gone"]
+__all__ = [
+    "BUDGET",
+    "CUDA_SLACK",
+    "HELLO_THEN",
+    "block",
+    "charged",
+    "fake_host",
+    "host",
+    "process_gone",
+    "usable",
+    "wait_gone",
+]

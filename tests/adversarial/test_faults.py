@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import psutil  # type: ignore[import-untyped]
+import pynvml
 import pytest
 import trio
 
@@ -372,10 +373,10 @@ async def test_faults_gpu_lost_mid_run_leaves_allocatable_and_never_reads_health
         # Still gone: stays lost. Back, but its readings fail: unknown. Never healthy early.
         seen.append((await _probe(running))[victim_device])
         gpu.lost = False
-        gpu.failing = {"nvmlDeviceGetTemperature"}
+        gpu.errors["*"] = pynvml.NVML_ERROR_UNKNOWN  # back, but it answers nothing
         seen.append((await _probe(running))[victim_device])
         seen.append((await _probe(running))[victim_device])
-        gpu.failing = set()
+        gpu.errors.clear()
         for _ in range(2):
             seen.append((await _probe(running))[victim_device])
         assert "healthy" not in seen, seen
@@ -390,9 +391,10 @@ async def test_faults_gpu_lost_mid_run_leaves_allocatable_and_never_reads_health
 @pytest.mark.parametrize(
     "failure",
     [
-        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetTemperature",  # GPU requires a reset: says nothing can be read
         "nvmlDeviceGetTotalEccErrors",
         "nvmlDeviceGetRemappedRows",
+        "*",  # every call fails
         "uninitialised",
     ],
 )
@@ -405,8 +407,10 @@ async def test_faults_nvml_errors_mid_run_make_gpu_unknown_not_healthy(
         baseline = await running.capacity()
         if failure == "uninitialised":
             fake.initialised = False  # every call raises NVMLError_Uninitialized
-        else:
-            fake.gpus[0].failing = {failure}
+        elif failure == "*":
+            fake.gpus[0].errors["*"] = pynvml.NVML_ERROR_UNKNOWN
+        else:  # a device-level error on one call fails the whole reading
+            fake.gpus[0].errors[failure] = pynvml.NVML_ERROR_RESET_REQUIRED
         health = await _probe(running)
         if failure == "uninitialised":
             assert set(health.values()) <= {"unknown", "lost"}
@@ -419,6 +423,25 @@ async def test_faults_nvml_errors_mid_run_make_gpu_unknown_not_healthy(
             assert _vram(capacity, _device_lane(snapshot, device))["allocatable"] == 0
         assert capacity["gpus"]["allocatable"] == baseline["gpus"]["allocatable"] - len(broken)
         assert capacity["cpu_millis"] == baseline["cpu_millis"]
+
+
+async def test_faults_a_field_nvml_refuses_mid_run_leaves_the_gpu_healthy_and_allocatable(
+    tmp_path: pathlib.Path,
+) -> None:
+    fake = _fake_nvml()
+    async with running_node(tmp_path, devices="nvml", pynvml_module=fake) as running:
+        assert set((await _probe(running)).values()) == {"healthy"}
+        baseline = await running.capacity()
+        fake.gpus[0].errors["nvmlDeviceGetPowerUsage"] = pynvml.NVML_ERROR_NO_PERMISSION
+        assert set((await _probe(running)).values()) == {"healthy"}
+        assert (await running.capacity())["gpus"] == baseline["gpus"]
+        machine = running.daemon.machine
+        assert machine is not None
+        reading = machine.health.last_reading("GPU-aaaa")
+        assert reading is not None and reading.power_w is None
+        assert reading.temperature_c == 40.0 and reading.unread == (
+            "power_w: Insufficient Permissions",
+        )
 
 
 # --- scheduler unreachable ------------------------------------------------------------------

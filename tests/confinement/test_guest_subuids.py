@@ -55,10 +55,17 @@ def _missing() -> str | None:
             return f"needs {tool} (make test installs uidmap)"
     if any(entry.pw_uid == DAEMON_UID for entry in pwd.getpwall()):
         return f"uid {DAEMON_UID} has an account here"
+    if os.geteuid() != 0:
+        return "needs root: the test's daemon is a user root makes up"
+    drop = ["setpriv", f"--reuid={DAEMON_UID}", f"--regid={DAEMON_UID}", "--clear-groups"]
+    made = subprocess.run([*drop, "--", "unshare", "--user", "true"], check=False, cwd="/")
+    if made.returncode != 0:
+        return "this kernel lets no normal user make a user namespace (bubblewrap needs it)"
     return None
 
 
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+MISSING = _missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
 @dataclass

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from tests.fakes.fake_cupy import FakeCupy  # noqa: E402
+from tests.fakes.fake_cupy import FakeCupy
 
 sys.modules["cupy"] = FakeCupy.from_environment()  # type: ignore[assignment]
 

@@ -60,6 +60,41 @@ async def test_state_filters_keep_only_the_states_asked_for(tmp_path: pathlib.Pa
         assert ids(await _page(client, secret, {"state": "cancelled"})) == set()
 
 
+async def test_label_filters_keep_only_invocations_holding_every_label(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        secret = node.scheduler
+        labelled = {
+            "a": {"team": "ml", "run": "1"},
+            "b": {"team": "ml", "run": "2", "note": "x=y"},
+            "c": {"team": "infra"},
+        }
+        for iid, labels in labelled.items():
+            await _submit(client, secret, builtin_request(iid, "echo", labels=labels))
+        await _submit(client, secret, builtin_request("d", args={"seconds": 60}))
+        await wait_for_state(client, secret, "d", RUNNING)
+
+        async def ids(params: Any) -> set[str]:
+            return {s.id for s in (await _page(client, secret, params)).invocations}
+
+        assert await ids({"label": "team=ml"}) == {"a", "b"}
+        assert await ids([("label", "team=ml"), ("label", "run=2")]) == {"b"}
+        assert await ids({"label": "note=x=y"}) == {"b"}  # split at the first `=`
+        assert await ids([("label", "team=ml"), ("label", "team=infra")]) == set()
+        assert await ids({"label": "team="}) == set()
+        assert await ids({"label": "absent=1"}) == set()
+        # With a state filter, both hold.
+        await wait_for_state(client, secret, "c")
+        assert await ids([("label", "team=infra"), ("state", "succeeded")]) == {"c"}
+        assert await ids([("label", "team=infra"), ("state", "running")]) == set()
+        everything = (await _page(client, secret)).invocations
+        assert {s.id: s.labels for s in everything} == {**labelled, "d": {}}
+
+
 async def test_pages_neither_repeat_nor_skip_while_submissions_arrive(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -110,7 +145,7 @@ async def test_the_default_page_is_bounded_and_says_where_to_go_on(
         assert len(rest.invocations) == 20 and rest.next_cursor is None
 
 
-BAD = [
+BAD: list[tuple[Any, str]] = [
     ({"state": "sleeping"}, "invalid_state"),
     ([("state", "queued"), ("state", "")], "invalid_state"),
     ({"limit": "0"}, "invalid_limit"),
@@ -124,6 +159,14 @@ BAD = [
     ({"cursor": "bm90IGEgY3Vyc29y"}, "invalid_cursor"),  # base64 of plain text
     ({"cursor": "x" * 600}, "invalid_cursor"),
     ({"states": "queued"}, "unknown_parameter"),
+    ({"label": "team"}, "invalid_label"),  # no `=`
+    ({"label": "=ml"}, "invalid_label"),
+    ({"label": "Team=ml"}, "invalid_label"),
+    ({"label": "team\n=ml"}, "invalid_label"),
+    ({"label": "k" * 64 + "=v"}, "invalid_label"),
+    ({"label": "team=" + "v" * 257}, "invalid_label"),
+    ([("label", f"k{n}=v") for n in range(17)], "invalid_label"),
+    ({"labels": "team=ml"}, "unknown_parameter"),
 ]
 
 

@@ -7,6 +7,7 @@ import pathlib
 
 import httpx
 import msgspec
+import trio
 
 from api.app import MAX_BODY_BYTES
 from api.errors import ErrorEnvelope
@@ -19,6 +20,7 @@ from tests.api_fixtures import (
     settled_snapshot,
     wait_for_state,
 )
+from tests.helpers import guest_cwd
 
 RUNNING = frozenset({InvocationState.running})
 
@@ -218,3 +220,90 @@ async def test_failed_builtin_reports_failed_and_releases(tmp_path: pathlib.Path
         assert status.state is InvocationState.failed and "on purpose" in (status.reason or "")
         # The terminal state is recorded only after the release.
         assert (await get_snapshot(client, node.scheduler)).capacity == idle.capacity
+
+
+async def test_the_status_says_what_the_invocation_is_and_never_its_env_values(
+    tmp_path: pathlib.Path,
+) -> None:
+    secret_value = "hunter2-never-shown"
+    process = {
+        "id": "train-7",
+        "work": {
+            "kind": "process",
+            "argv": ["sh", "-c", "exit 0", *[f"arg{n}" for n in range(30)]],
+            "env": {"API_TOKEN": secret_value},
+            "cwd": str(guest_cwd()),
+        },
+        "resources": {"cpu_millis": 250, "memory_bytes": 2**28},
+        "labels": {"team": "ml", "run": "exp-7"},
+    }
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=10) as client,
+    ):
+        headers = bearer(node.scheduler)
+        for body in (process, builtin_request("nap", args={"seconds": 60})):
+            reply = await client.post("/v1/invocations", json=body, headers=headers)
+            assert reply.status_code == 202, reply.text
+        done = await wait_for_state(client, node.scheduler, "train-7", seconds=30)
+        assert done.state is InvocationState.succeeded, done
+        assert done.command is not None and done.command.kind == "process"
+        assert done.command.argv == ["sh", "-c", "exit 0", *[f"arg{n}" for n in range(13)]]
+        assert (done.command.argc, done.command.argv_cut) == (33, True)
+        assert done.resources is not None
+        assert (done.resources.cpu_millis, done.resources.memory_bytes) == (250, 2**28)
+        assert done.labels == {"team": "ml", "run": "exp-7"}
+        assert [lane.kind for lane in done.lanes] == ["cpu"]
+        assert done.started_at is not None and done.ended_at is not None
+        assert done.duration_s is not None and 0 <= done.duration_s < 30
+
+        nap = await wait_for_state(client, node.scheduler, "nap", RUNNING)
+        assert nap.command is not None and (nap.command.kind, nap.command.name) == (
+            "builtin",
+            "sleep",
+        )
+        assert nap.ended_at is None and nap.duration_s is not None  # live: up to now
+        await trio.sleep(0.3)
+        later = await wait_for_state(client, node.scheduler, "nap", RUNNING)
+        assert later.duration_s is not None and later.duration_s > nap.duration_s
+
+        # Nowhere a status is read does the environment's value appear.
+        for path in ("/v1/invocations/train-7", "/v1/invocations"):
+            reply = await client.get(path, headers=headers)
+            assert reply.status_code == 200
+            assert secret_value not in reply.text and "API_TOKEN" not in reply.text
+
+
+async def test_bad_labels_are_422_naming_labels_and_change_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
+    bad_labels = [
+        {"Team": "ml"},  # upper case
+        {"team\n": "ml"},  # a newline the wire pattern's `$` lets through
+        {"k" * 64: "v"},
+        {"team": "v" * 257},
+        {"team": "a\u001bb"},
+        {f"k{n}": "v" for n in range(17)},
+        {"team": 7},
+    ]
+    async with (
+        running_daemon(tmp_path) as node,
+        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
+    ):
+        headers = {**bearer(node.scheduler), "Content-Type": "application/json"}
+        for labels in bad_labels:
+            body = builtin_request("labelled", "echo", labels=labels)
+            content = json.dumps(body).encode()
+            reply = await client.post("/v1/invocations", content=content, headers=headers)
+            assert reply.status_code == 422, (labels, reply.text)
+            error = msgspec.json.decode(reply.content, type=ErrorEnvelope).error
+            assert error.code == "invalid_request"
+            assert "labels" in error.message or "labels" in str(error.details), error
+        listed = await client.get("/v1/invocations", headers=bearer(node.scheduler))
+        assert listed.json() == {"invocations": [], "next_cursor": None}
+        # At the bounds it is taken.
+        good = {f"k{n}": "v" * 256 for n in range(16)}
+        body = builtin_request("labelled", "echo", labels=good)
+        reply = await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
+        assert reply.status_code == 202, reply.text
+        assert (await wait_for_state(client, node.scheduler, "labelled")).labels == good

@@ -329,8 +329,13 @@ def test_ls_lists_invocations_by_state_and_limit(
 
     running = client(env, *base, "--state", "running")
     rows = running.stdout.splitlines()
-    assert rows[0].split()[:3] == ["ID", "STATE", "REASON"]
+    assert rows[0].split() == [
+        "ID", "STATE", "REASON", "EXIT", "DURATION", "LANES", "SUBMITTED", "COMMAND"
+    ]  # fmt: skip
     assert [row.split()[:2] for row in rows[1:]] == [["long", "running"]]
+    (long_row,) = [row.split() for row in rows[1:]]
+    assert long_row[4].endswith("s") and long_row[5].startswith("cpu:lane_"), long_row
+    assert long_row[-1] == "builtin:sleep"
 
     one = client(env, *base, "--state", "succeeded", "--limit", "1", "--json")
     (only,) = json.loads(one.stdout)["invocations"]

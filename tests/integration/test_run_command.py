@@ -156,10 +156,11 @@ def test_logs_prints_a_stream_after_the_end_and_follows_a_running_one(
     assert logs(invocation_id, "--stream", "stdin").returncode == 2
 
 
-def test_run_against_serve_without_cwd_roots_says_how_and_runs_with_cwd_none(
+def test_run_where_the_guest_may_not_start_says_so_and_starts_in_its_tmp(
     tmp_path: pathlib.Path,
 ) -> None:
-    """`serve` allows no cwd by default; `run` sends its folder unless `--cwd none`."""
+    """`serve` allows no cwd by default. The current folder `run` sends on its own is
+    dropped with a line saying so; a folder the user names is refused, with how."""
     state = tmp_path / "served"
     env = clean_env(LITEGRAPH_NODE_GUEST_CWD_ROOTS="[]")  # serve's default
     argv = node_command(
@@ -171,11 +172,16 @@ def test_run_against_serve_without_cwd_roots_says_how_and_runs_with_cwd_none(
         while not (state / "address.json").exists():
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        refused = run_client(env, "--state-dir", str(state), "run", "--", "pwd")
-        assert refused.returncode == 1, refused.stderr
-        said = refused.stderr.splitlines()
-        assert said[0].startswith("litegraph-node run: refused (422) invalid_cwd: cwd: "), said
+        moved = run_client(env, "--state-dir", str(state), "run", "--", "pwd")
+        assert (moved.returncode, moved.stdout) == (0, "/tmp\n"), moved.stderr
+        said = moved.stderr.splitlines()
+        assert said[0].startswith("litegraph-node run: invalid_cwd: cwd: "), said
         assert "this node allows no cwd" in said[0]
+        assert "starting it in its private /tmp instead" in said[1], said
+        named = run_client(env, "--state-dir", str(state), "run", "--cwd", "/srv", "--", "pwd")
+        assert named.returncode == 1, named.stderr
+        said = named.stderr.splitlines()
+        assert said[0].startswith("litegraph-node run: refused (422) invalid_cwd: cwd: "), said
         assert "--cwd none sends none" in said[1], said
         ran = run_client(env, "--state-dir", str(state), "run", "--cwd", "none", "--", "pwd")
         assert (ran.returncode, ran.stdout) == (0, "/tmp\n"), ran.stderr

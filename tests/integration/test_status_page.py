@@ -105,6 +105,10 @@ async def test_status_page_shows_devices_lanes_and_invocations(tmp_path: pathlib
         invocations = table_body(dom, "invocations")
         assert "from-the-page-test" in invocations
         assert re.search(r"(queued|running)</td>", invocations)
+        # What it runs, how long it has, on which lane.
+        assert "<code>builtin:sleep</code>" in invocations
+        assert re.search(r"<td>\d+\.\d\d s</td>", invocations), invocations
+        assert re.search(r"<td>cpu lane_[0-9a-f]{16}</td>", invocations), invocations
 
 
 async def test_status_page_asks_for_a_token_when_the_one_given_is_wrong(
@@ -283,6 +287,10 @@ async def test_invocation_detail_shows_exit_code_reason_usage_and_stderr(
     assert detail is not None and " hidden" not in detail.group(0).split(">")[0], "no detail"
     text = detail.group(1)
     assert 'data-field="exit_code">3<' in text, text
+    assert re.search(r'data-field="command"><code>sh -c "echo step 1; ', text), text
+    assert re.search(r'data-field="duration">\d+\.\d\d s<', text), text
+    assert 'data-field="resources">0.1 cores · 64 MiB · 0 GPUs · 0 MiB VRAM<' in text, text
+    assert re.search(r'data-field="lanes">cpu lane_[0-9a-f]{16}<', text), text
     assert 'data-field="reason">nonzero_exit<' in text
     assert re.search(r'data-field="cpu">\d+\.\d\d s<', text), text
     assert "RuntimeError: CUDA out of memory" in re.sub(r"\s+", " ", text)

@@ -1,6 +1,7 @@
-"""The container image definition (deploy/Containerfile): two stages, an unprivileged
-build, every COPY source present, the package's own console script as the entry
-point, and what the DaemonSet runs it with; hadolint passes where it is installed."""
+"""The container image definition (deploy/Containerfile): an unprivileged build, a GPU
+stage that adds the `cuda` extra (CuPy and the CUDA libraries it loads), every
+COPY source present, the package's own console script as the entry point, and
+what the DaemonSet runs it with; hadolint passes where it is installed."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def daemonset_container() -> dict[str, object]:
     return container
 
 
-def test_the_image_is_built_in_two_stages_and_runs_the_packages_console_script() -> None:
-    build, *_, runtime = stages()
+def test_the_image_is_built_in_stages_and_runs_the_packages_console_script() -> None:
+    build, gpu, runtime = stages()
     assert build.name == "build" and runtime.name is None
     venv, program = venv_of_entrypoint()
     # The console script pip makes from [project.scripts], in the venv the build made...
@@ -86,11 +87,38 @@ def test_the_image_is_built_in_two_stages_and_runs_the_packages_console_script()
     build_runs = " ".join(build.all("RUN"))
     assert f"python -m venv {venv} " in build_runs
     assert f"{venv}/bin/pip install /src" in build_runs
-    # ...and the runtime stage took from it, whole.
-    assert ([f"--from={build.name}"], [str(venv), str(venv)]) in copies(runtime)
+    # ...which the GPU stage completed, and the runtime stage took from it, whole.
+    assert gpu.image == build.name
+    assert ([f"--from={gpu.name}"], [str(venv), str(venv)]) in copies(runtime)
     (cmd,) = runtime.all("CMD")
     assert json.loads(cmd) == ["serve"] and "serve" in COMMANDS
     assert re.search(r"apt-get install .*\bbubblewrap\b", " ".join(runtime.all("RUN")))
+
+
+def test_the_gpu_stage_installs_the_cuda_extra_into_the_venv_the_runtime_takes() -> None:
+    """The image installed /src without `[cuda]`: no CuPy, so every GPU lane of a node
+    running it served its work from host memory. The GPU stage adds the extra,
+    which brings the CUDA libraries a driver-only container lacks."""
+    gpu = next(stage for stage in stages() if stage.name == "gpu")
+    venv, _ = venv_of_entrypoint()
+    runs = " ".join(gpu.all("RUN"))
+    assert f"{venv}/bin/pip install '/src[cuda]'" in runs
+    assert f"{venv}/bin/python -m compileall" in runs
+    (runtime_copy,) = [paths for options, paths in copies(stages()[-1]) if options]
+    assert runtime_copy == [str(venv), str(venv)]
+
+
+def test_the_cuda_extra_names_cupy_and_the_libraries_it_needs_on_a_driver_only_host() -> None:
+    """cupy-cuda12x alone ships no cuBLAS or NVRTC: on a host with only the driver
+    (every container) matmul and every compiled kernel fail. The extra brings them
+    as wheels: CuPy's own `ctk` extra, and the libraries by name."""
+    extra = [
+        re.split(r"[<>=;\s]", req, maxsplit=1)[0]
+        for req in PYPROJECT["project"]["optional-dependencies"]["cuda"]
+    ]
+    assert "cupy-cuda12x[ctk]" in extra
+    for library in ("nvidia-cublas-cu12", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"):
+        assert library in extra, library
 
 
 def test_every_copy_source_exists_and_the_build_copies_every_package() -> None:
@@ -125,9 +153,10 @@ def test_every_package_folder_is_in_the_distribution() -> None:
 
 
 def test_the_build_is_unprivileged_and_the_runtime_user_is_the_daemonsets() -> None:
-    build, *_, runtime = stages()
+    build, gpu, runtime = stages()
     (build_user,) = build.all("USER")
     assert build_user.split(":")[0] not in {"0", "root"}
+    assert not gpu.all("USER")  # the GPU stage builds on as the build's user
     # The runtime user is root because guests get uids of their own (the file says
     # why); it must be what the DaemonSet runs the container as.
     (runtime_user,) = runtime.all("USER")

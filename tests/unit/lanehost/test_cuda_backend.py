@@ -24,7 +24,6 @@ from lanehost.protocol import (
     HEADER,
     PROTOCOL_VERSION,
     Alloc,
-    AllocReply,
     ErrorReply,
     Free,
     FreeAll,

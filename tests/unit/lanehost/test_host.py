@@ -13,7 +13,15 @@ import pytest
 
 from lanehost.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from supervisor.lane_host import LaneHost, LaneHostError
-from tests.lanehost_fixtures import BUDGET, cuda_device, device_backend, device_host
+from tests.lanehost_fixtures import (
+    BUDGET,
+    block,
+    charged,
+    cuda_device,
+    device_backend,
+    device_host,
+    usable,
+)
 
 __all__ = ["device_backend", "device_host"]
 
@@ -49,27 +57,36 @@ async def test_handshake_names_version_backend_budget_and_kernels(
 ) -> None:
     hello = host.hello
     assert hello.version == PROTOCOL_VERSION == 1
-    assert (hello.backend, hello.memory_total) == (device_backend, BUDGET)
+    assert hello.backend == device_backend
     if device_backend == "numpy":
-        assert hello.device == "host"
+        assert (hello.device, hello.memory_total, hello.memory_reserved) == ("host", BUDGET, 0)
     else:
         assert str(cuda_device()[0]) in hello.device
+        assert hello.memory_reserved > 0  # its CUDA context, measured at its start
     assert {"noop", "fill", "copy", "axpy", "matmul", "sum"} <= set(hello.kernels)
     stats = await host.stats()
-    assert (stats.used, stats.free, stats.total, stats.buffers) == (0, BUDGET, BUDGET, 0)
+    assert (stats.used, stats.free, stats.total, stats.reserved, stats.buffers) == (
+        0,
+        usable(host),
+        hello.memory_total,
+        hello.memory_reserved,
+        0,
+    )
 
 
 async def test_alloc_within_the_budget_counts_and_beyond_it_is_refused(host: LaneHost) -> None:
+    budget = usable(host)
     assert await host.alloc("a", "float32", (256, 256)) == 256 * 256 * 4  # 256 KiB
     assert await host.alloc("b", "float64", (3, 4, 5)) == 3 * 4 * 5 * 8
-    used = 256 * 256 * 4 + 480
-    error = await refused("out_of_memory", host.alloc("c", "float32", (BUDGET // 4,)))
+    used = charged(host, 256 * 256 * 4) + charged(host, 480)  # in the pool's blocks
+    error = await refused("out_of_memory", host.alloc("c", "float32", (budget // 4,)))
     assert "free" in error.message
     stats = await host.stats()
-    assert (stats.used, stats.free, stats.buffers) == (used, BUDGET - used, 2)
-    # What is left still fits exactly.
-    assert await host.alloc("d", "uint8", (BUDGET - used,)) == BUDGET - used
-    assert (await host.stats()).free == 0
+    assert (stats.used, stats.free, stats.buffers) == (used, budget - used, 2)
+    # What is left still fits, to the last whole block.
+    room = stats.free - stats.free % block(host)
+    assert await host.alloc("d", "uint8", (room,)) == room
+    assert (await host.stats()).free < block(host)
     await refused("out_of_memory", host.alloc("e", "uint8", (1,)))
 
 
@@ -119,9 +136,10 @@ async def test_free_and_free_all_give_the_budget_back(host: LaneHost) -> None:
     assert await host.free("b0") == 4096
     assert await host.free_all(["b1", "b2", "b3", "b4", "b4", "never"]) == 4 * 4096
     stats = await host.stats()
-    assert (stats.used, stats.free, stats.buffers) == (0, BUDGET, 0)
+    assert (stats.used, stats.free, stats.buffers) == (0, usable(host), 0)
     # The whole budget is usable again.
-    assert await host.alloc("all", "uint8", (BUDGET,)) == BUDGET
+    room = usable(host) - usable(host) % block(host)
+    assert await host.alloc("all", "uint8", (room,)) == room
 
 
 async def test_unknown_kernel_and_bad_kernel_args(host: LaneHost) -> None:

@@ -113,6 +113,7 @@ def test_caps_nodes_that_cannot_be_made_refuse_the_lane_with_a_reason(
 ) -> None:
     proc, dev = tmp_path / "proc", tmp_path / "dev"
     driver(proc, devfs=True, minors=MINORS)
+    dev.mkdir()
     made: list[tuple[Path, int, int]] = []
 
     def refuse(path: Path, mode: int, device: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pynvml
 import trio
 
 from machine.discovery import discover
@@ -26,10 +27,10 @@ def two_gpus() -> FakeNvml:
                 mig_enabled=True,
                 migs=[
                     FakeMig(
-                        uuid="MIG-b1", name="3g.40gb", memory_total=40 * GiB, gpu_instance_id=1
+                        uuid="MIG-b1", profile="3g.40gb", memory_total=40 * GiB, gpu_instance_id=1
                     ),
                     FakeMig(
-                        uuid="MIG-b2", name="2g.20gb", memory_total=20 * GiB, gpu_instance_id=2
+                        uuid="MIG-b2", profile="2g.20gb", memory_total=20 * GiB, gpu_instance_id=2
                     ),
                 ],
             ),
@@ -72,7 +73,9 @@ async def test_healthy_gpu_and_mig_gpu() -> None:
     assert first["GPU-aaaa"].status is ProbeStatus.OK
     assert first["GPU-aaaa"].temperature_c == 40.0 and first["GPU-aaaa"].power_w == 70.0
     assert first["GPU-aaaa"].ecc_volatile_uncorrected == 0
-    assert first["GPU-aaaa"].retired_pages_pending is False
+    # Ampere and later do not retire pages (they remap rows): NotSupported, absent.
+    assert first["GPU-aaaa"].retired_pages_pending is None
+    assert first["GPU-aaaa"].remapped_rows_pending is False
     # Every NVML call ran off the trio thread.
     assert threading.main_thread().name not in fake.threads
     assert inv.source is not None
@@ -156,11 +159,11 @@ async def test_gpu_lost_mid_run_and_xids() -> None:
     await probe_once(source, tracker)
     assert tracker.state("GPU-aaaa") is HealthState.LOST
     assert "device_lost" in tracker.health("GPU-aaaa").reasons[0]
-    fake.gpus[0].failing = {"nvmlDeviceGetTemperature"}
+    fake.gpus[0].errors["*"] = pynvml.NVML_ERROR_UNKNOWN
     fake.gpus[0].lost = False  # it comes back, but its readings fail: unknown
     await probe_once(source, tracker)
     assert tracker.state("GPU-aaaa") is HealthState.UNKNOWN
-    fake.gpus[0].failing = set()
+    fake.gpus[0].errors.clear()
     await probe_once(source, tracker)
     await probe_once(source, tracker)
     assert tracker.state("GPU-aaaa") is HealthState.HEALTHY

@@ -1,7 +1,7 @@
 """The fake NVML module cannot drift from the real one (nvidia-ml-py's `pynvml`).
 
-Every NVML name the product uses (collected from machine/'s source, so a new
-call is checked the day it is written) exists in the real module and in the
+Every NVML name the product uses (collected from its source, so a new call is
+checked the day it is written) exists in the real module and in the
 fake; the fake's functions take the real ones' parameters; its constants are
 the real values and its exceptions the real classes, built as the real module
 builds them (driver text for `str()`, unhashable, equal by code).
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import pathlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,18 +21,19 @@ import pytest
 
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml, gpu_and_mig, nvml_error
 
-MACHINE = pathlib.Path(__file__).resolve().parents[3] / "machine"
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+# The product's packages (pyproject's); NVML is called from machine/ and lanehost/.
+PACKAGES = ("lanehost", "capabilities", "machine", "supervisor", "api", "node")
+NVML_NAME = re.compile(r"^(nvml[A-Z]|NVML_|NVMLError)")
 
 
 def _product_names() -> set[str]:
-    """`x.nvmlFoo`, `x.NVML_BAR`, `x.NVMLError_Baz` and the like anywhere in machine/."""
+    """`x.nvmlFoo`, `x.NVML_BAR`, `x.NVMLError_Baz` and the like anywhere in the product."""
     names = set()
-    for source in MACHINE.rglob("*.py"):
-        for node in ast.walk(ast.parse(source.read_text(), str(source))):
-            if isinstance(node, ast.Attribute) and node.attr.startswith(
-                ("nvml", "NVML_", "NVMLError")
-            ):
-                if node.attr != "nvml":  # an attribute holding the module itself
+    for package in PACKAGES:
+        for source in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text(), str(source))):
+                if isinstance(node, ast.Attribute) and NVML_NAME.match(node.attr):
                     names.add(node.attr)
     return names
 

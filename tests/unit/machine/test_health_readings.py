@@ -170,8 +170,9 @@ async def test_nvml_unsupported_field_is_absent_not_zero(
         assert a.memory_used_bytes == GiB and a.memory_free_bytes == 79 * GiB
         assert (a.utilization_gpu_percent is None) is (call == "nvmlDeviceGetUtilizationRates")
         assert (a.sm_clock_mhz is None) is (call == "nvmlDeviceGetClockInfo")
-        # The other GPU supports everything.
-        assert device(machine, "GPU-b").utilization_gpu_percent == 35.0
+        # The other GPU reads its own (in MIG mode NVML gives it no utilization).
+        b = device(machine, "GPU-b")
+        assert (b.temperature_c, b.sm_clock_mhz, b.utilization_gpu_percent) == (40.0, 1410, None)
     finally:
         await machine.aclose()
 
@@ -197,7 +198,7 @@ async def test_nvml_vanished_mig_instance_reads_empty_and_the_gpu_stays_healthy(
         fake.gpus[1].migs[0].gone = True
         await machine.probe()
         b = device(machine, "GPU-b")
-        assert b.health is HealthState.HEALTHY and b.utilization_gpu_percent == 35.0
+        assert b.health is HealthState.HEALTHY and b.temperature_c == 40.0
         mig, other = b.mig_instances
         assert mig.memory_used_bytes is None and mig.memory_free_bytes is None
         assert other.memory_free_bytes == 5 * GiB

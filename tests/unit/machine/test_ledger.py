@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from machine.health import HealthState
@@ -257,3 +258,36 @@ def test_adopt_may_exceed_capacity_but_allocatable_never_negative() -> None:
     led2.adopt(r)
     assert led2.capacity().cpu_millis.allocatable == 0
     assert led2.capacity().cpu_millis.allocated == 15000
+
+
+def test_a_lanes_host_context_is_kept_back_with_the_headroom() -> None:
+    """The CUDA context of a lane's own host (its sentinel, measured at its start) is
+    device memory a guest cannot have: a dedicated guest given the lane's
+    allocatable VRAM must not find it held."""
+    led = ledger(headroom=GiB // 2)
+    lane = led.lanes()[1]
+    context = 300 << 20
+    led.set_host_reserved(lane.lane_id, context)
+    usage = next(u for u in led.capacity().lanes if u.lane_id == lane.lane_id)
+    assert usage.vram.reserved == GiB // 2 + context
+    assert led.vram_free(lane.lane_id) == 24 * GiB - GiB // 2 - context
+    whole = req("d", cpu_millis=1, requirement=Requirement.GPU, isolation=Isolation.DEDICATED)
+    granted = led.reserve(whole)
+    assert granted.lanes[0].vram_bytes == 24 * GiB - GiB // 2 - context
+    led.release("d")
+    led.set_host_reserved(lane.lane_id, 0)  # its host went, and its context with it
+    assert led.host_reserved(lane.lane_id) == 0
+    assert led.vram_free(lane.lane_id) == 24 * GiB - GiB // 2
+
+
+def test_nvml_lanes_compute_with_cupy_and_the_cpu_pool_and_simulated_ones_with_numpy() -> None:
+    """The node's one decision: a real GPU's or MIG instance's lane is CUDA, never
+    host memory; simulated lanes are host memory, whatever is installed."""
+    sim = build_lanes(inventory())
+    assert [lane.array_backend for lane in sim] == ["numpy"] * 5
+    real = build_lanes(msgspec.structs.replace(inventory(), backend="nvml"))
+    assert [lane.array_backend for lane in real] == ["numpy", "cupy", "cupy", "cupy", "cupy"]
+    # A lane made without saying (a test's, a future path's): by kind, CUDA for a device.
+    bare = msgspec.structs.replace(real[2], backend=None)
+    assert bare.array_backend == "cupy"
+    assert msgspec.structs.replace(real[0], backend=None).array_backend == "numpy"

@@ -151,3 +151,34 @@ async def test_a_mig_instances_fatal_xid_makes_only_its_lane_unhealthy(tmp_path:
         assert ledger.lane_health(lane["GPU-a"]) is HealthState.HEALTHY
     finally:
         await machine.aclose()
+
+
+async def test_mig_lanes_without_their_capability_nodes_are_out_of_service(
+    tmp_path: Path,
+) -> None:
+    proc, dev = tmp_path / "proc", tmp_path / "dev"
+    (proc / "driver/nvidia/capabilities").mkdir(parents=True)  # only in /proc
+    dev.mkdir()
+    machine = await Machine.open(
+        node_id="node-m",
+        devices="nvml",
+        sim_file=None,
+        state_dir=tmp_path / "state",
+        reserved_cpu_millis=0,
+        reserved_memory_bytes=0,
+        vram_headroom_bytes=0,
+        pynvml_module=gpu_and_mig(),
+        dev_root=dev,
+        proc_root=proc,
+    )
+    try:
+        shown = {s.mig_uuid or s.device_id: s for s in machine.snapshot().lanes}
+        for uuid in ("MIG-b1", "MIG-b2"):
+            assert shown[uuid].health is HealthState.UNHEALTHY
+            assert (shown[uuid].health_reason or "").startswith("mig_caps_procfs: ")
+        assert shown["GPU-a"].health is HealthState.HEALTHY
+        allocatable = {u.lane_id: u.available for u in machine.ledger.capacity().lanes}
+        assert allocatable[shown["MIG-b1"].lane_id] is False
+        assert allocatable[shown["GPU-a"].lane_id] is True
+    finally:
+        await machine.aclose()

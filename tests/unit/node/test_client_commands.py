@@ -57,3 +57,39 @@ def test_ls_follows_the_cursor_until_the_limit(
     assert all(a["state"] == ["succeeded", "failed"] for a in asked)
     assert all(int(a["limit"][0]) <= 2 for a in asked)
     assert (shown["next_cursor"] is None) == (limit >= len(ids))
+
+
+def test_ls_shows_command_state_duration_and_lanes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lane = {"lane_id": "lane_0123456789abcdef", "kind": "gpu", "vram_bytes": 0}
+    process = {
+        **_status("train-7"),
+        "state": "running",
+        "command": {"kind": "process", "argv": ["python", "train.py", "a b\nc"], "argc": 3},
+        "lanes": [lane],
+        "duration_s": 125.5,
+    }
+    cut = {
+        **_status("long-args"),
+        "command": {"kind": "process", "argv": ["x" * 100], "argc": 30, "argv_cut": True},
+        "duration_s": 0.25,
+    }
+    builtin = {**_status("nap"), "command": {"kind": "builtin", "name": "sleep"}}
+    body = {"invocations": [process, cut, builtin], "next_cursor": None}
+    monkeypatch.setattr(httpx, "request", lambda *a, **kw: httpx.Response(200, json=body))
+    monkeypatch.setattr(Target, "secret", lambda self, role=None: "s")
+    out = io.StringIO()
+    options = {"state": "", "limit": 10, "json": False}
+    assert cmd_ls(Target(url="http://node", auth_file=tmp_path), options, [], out) == 0
+    header, *rows = out.getvalue().splitlines()
+    assert header.split() == [
+        "ID", "STATE", "REASON", "EXIT", "DURATION", "LANES", "SUBMITTED", "COMMAND"
+    ]  # fmt: skip
+    words = rows[0].split()
+    assert words[:6] == ["train-7", "running", "-", "-", "2m05s", "gpu:lane_0123456789abcdef"]
+    # The argv as a shell reads it, on one line (a newline escaped).
+    assert rows[0].endswith("python train.py 'a b\\nc'")
+    assert rows[1].split()[4:6] == ["0.25s", "-"]
+    assert rows[1].endswith("…") and len(rows[1].split()[-1]) == 60  # cut to the column
+    assert rows[2].split()[4] == "-" and rows[2].endswith("builtin:sleep")

@@ -34,6 +34,7 @@ from tests.supervisor_fixtures import (
     Rig,
     builtin,
     gpu_builtin,
+    only_lane,
     open_rig,
     open_unstarted,
 )
@@ -217,6 +218,36 @@ async def test_a_device_fault_cancels_work_on_it_with_lane_unhealthy(
         rig.assert_released("g", gpu.tokens)
         rig.assert_released("m", mig.tokens)
         rig.assert_released("cpu", cpu.tokens)
+
+
+async def test_a_mig_instances_own_fault_cancels_only_the_work_on_that_instance(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        first = await rig.sup.submit(
+            gpu_builtin("m1", isolation=Isolation.PARTITIONED, seconds=100)
+        )
+        second = await rig.sup.submit(
+            gpu_builtin("m2", isolation=Isolation.PARTITIONED, seconds=100)
+        )
+        await rig.wait_state("m1", S.running)
+        await rig.wait_state("m2", S.running)
+        lane_id, _ = only_lane(first)
+        lane = rig.machine.ledger.lane(lane_id)
+        assert lane is not None and lane.visible_uuid is not None
+        assert only_lane(second)[0] != lane_id
+        # A fatal XID the driver charged to that instance alone (machine/health.py).
+        rig.machine.health.apply(lane.visible_uuid, Signal.FATAL_XID, "xid_94: contained", at=0.0)
+        assert await rig.wait_terminal("m1") is S.cancelled
+        assert rig.sup.get("m1").reason == "lane_unhealthy"
+        await trio.testing.wait_all_tasks_blocked()
+        assert rig.sup.get("m2").state is S.running
+        assert rig.machine.ledger.lane_health(lane_id) is HealthState.UNHEALTHY
+        assert rig.machine.health.state(SIM_MIG_GPU) is HealthState.HEALTHY
+        await rig.sup.cancel("m2")
+        recover(rig, lane.visible_uuid)
+        rig.assert_released("m1", first.tokens)
+        rig.assert_released("m2", second.tokens)
 
 
 async def test_on_health_called_directly_cancels_and_publishes(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import msgspec
 import pytest
 
 from machine.lanes import Isolation, Lane, LaneKind
-from supervisor.lane_host import DEFAULT_COMMAND, LaneHostFailed, lane_host_factory
+from node.daemon import lane_host_env
+from supervisor.lane_host import DEFAULT_COMMAND, LaneHost, LaneHostFailed, lane_host_factory
 
 MIG = Lane(
     lane_id="lane_0123456789abcdef",
@@ -27,6 +29,10 @@ CPU = Lane(
 )
 
 
+def _backend(host: LaneHost) -> str:
+    return host._argv[host._argv.index("--backend") + 1]
+
+
 def test_a_gpu_lanes_host_sees_only_its_own_device_and_budget() -> None:
     host = lane_host_factory()(MIG)
     assert host.memory_bytes == 5 * 2**30
@@ -35,6 +41,27 @@ def test_a_gpu_lanes_host_sees_only_its_own_device_and_budget() -> None:
     cpu = lane_host_factory(["/opt/host", "--x"])(CPU)
     assert cpu._argv[:2] == ["/opt/host", "--x"] and cpu.memory_bytes == 0
     assert cpu._env["CUDA_VISIBLE_DEVICES"] == ""  # no device at all
+
+
+def test_each_lane_gets_its_own_backend_and_a_device_lane_is_never_numpy_by_default() -> None:
+    """The backend is decided per lane (`Lane.array_backend`), not once for the node:
+    `auto` used to reach the host and fall back to NumPy on a real GPU."""
+    factory = lane_host_factory()
+    assert (_backend(factory(MIG)), factory(MIG).backend) == ("cupy", "cupy")
+    assert _backend(factory(CPU)) == "numpy"  # no device: nothing else makes sense
+    simulated = msgspec.structs.replace(MIG, backend="numpy")
+    assert _backend(factory(simulated)) == "numpy"
+    assert _backend(lane_host_factory(backend="numpy")(MIG)) == "numpy"  # asked by name
+    assert _backend(lane_host_factory(backend="cupy")(CPU)) == "numpy"
+
+
+def test_the_daemons_variables_reach_every_host(tmp_path: pathlib.Path) -> None:
+    env = lane_host_env(tmp_path)
+    assert pathlib.Path(env["CUPY_CACHE_DIR"]).is_dir()  # `import cupy` makes it otherwise
+    for lane in (MIG, CPU):
+        host = lane_host_factory(env=env)(lane)
+        assert host._env["CUPY_CACHE_DIR"] == env["CUPY_CACHE_DIR"]
+        assert host._env["CUDA_CACHE_PATH"] == env["CUDA_CACHE_PATH"]
 
 
 async def test_a_host_command_that_cannot_start_fails_typed() -> None:
