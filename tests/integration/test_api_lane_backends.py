@@ -122,8 +122,8 @@ async def test_simulated_lanes_say_numpy_and_their_hosts_get_a_private_cupy_cach
         assert sup is not None
         host = next(iter(sup.owners.values())).sentinel
         assert isinstance(host, LaneHost)
-        cache = pathlib.Path(host._env["CUPY_CACHE_DIR"])
-        root = pathlib.Path(node.daemon.config.state_dir) / LANE_HOST_CACHE
-        assert cache.parent == root and cache.is_dir()
-        assert pathlib.Path(host._env["CUDA_CACHE_PATH"]).parent == root
-        assert stat.S_IMODE(root.stat().st_mode) == 0o700  # no guest writes a kernel here
+        cache = trio.Path(host._env["CUPY_CACHE_DIR"])
+        root = trio.Path(node.daemon.config.state_dir) / LANE_HOST_CACHE
+        assert cache.parent == root and await cache.is_dir()
+        assert trio.Path(host._env["CUDA_CACHE_PATH"]).parent == root
+        assert stat.S_IMODE((await root.stat()).st_mode) == 0o700  # no guest writes a kernel here

@@ -41,7 +41,7 @@ def fake_cuda(**fake: str) -> Callable[..., Any]:
 
 async def _until(check: Callable[[], Any], seconds: float = 20.0) -> Any:
     with trio.fail_after(seconds):
-        while not (found := check()):
+        while not (found := check()):  # noqa: ASYNC110 - polled: nothing signals it
             await trio.sleep(0.02)
         return found
 
