@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from api.metrics_gpu import gpu_families
 from machine.snapshot import Amounts, NodeSnapshot
+from machine.vram_drift import vram_drift
 from supervisor.wire import InvocationState
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics"]
@@ -138,6 +139,15 @@ def _capacity(snapshot: NodeSnapshot) -> Iterator[Metric]:
         for field, kind in _KINDS.items():
             vram.add_metric([kind, lane.lane_id, lane.device_id], getattr(lane, field))
     yield vram
+    drift = GaugeMetricFamily(
+        "litegraph_vram_drift_bytes",
+        "GPU memory in use (NVML) beyond what the ledger grants on the GPU's lanes, in bytes"
+        " (negative: granted and not in use); real GPUs only",
+        labels=["device_id"],
+    )
+    for device in vram_drift(snapshot):
+        drift.add_metric([device.device_id], device.drift)
+    yield drift
 
 
 def _host_memory(snapshot: NodeSnapshot) -> Iterator[Metric]:

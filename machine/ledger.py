@@ -247,7 +247,7 @@ class Ledger:
 
     def set_host_reserved(self, lane_id: str, nbytes: int) -> None:
         """The device memory the lane's own host holds for itself (its CUDA context,
-        measured at its start; 0 while it has none): reserved on the lane beside the
+        as its latest hello measured it; 0: none): reserved on the lane beside the
         headroom, so what is allocatable is what the device can still give."""
         self._require_lane(lane_id)
         if nbytes > 0:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import trio
 
 from machine.cgroups import Cgroups
@@ -51,6 +52,7 @@ from machine.ledger import Ledger, Reservation, ReservationRequest
 from machine.monitor import probe_once, sync_ledger
 from machine.reconcile import ReconcileReport, reconcile
 from machine.snapshot import NodeSnapshot, build_snapshot
+from machine.vram_drift import drift_notes, vram_drift
 
 __all__ = ["Machine", "snapshot_once"]
 
@@ -371,7 +373,7 @@ class Machine:
     ) -> NodeSnapshot:
         """A snapshot numbered `sequence` (the caller counts changes), or the next number."""
         self._sequence = max(self._sequence + 1, sequence or 0)
-        return build_snapshot(
+        snapshot = build_snapshot(
             node_id=self.node_id,
             sequence=self._sequence,
             inventory=self.inventory,
@@ -382,6 +384,10 @@ class Machine:
             memory=self.memory,
             drained=drained,
         )
+        drifted = drift_notes(vram_drift(snapshot))
+        if not drifted:
+            return snapshot
+        return msgspec.structs.replace(snapshot, notes=(*snapshot.notes, *drifted))
 
     def refresh_host_memory(self) -> None:
         """Read host memory again; a failed read keeps the previous figures."""

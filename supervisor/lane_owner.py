@@ -195,7 +195,8 @@ class LaneOwner:
 
     async def _submit(self, token: str, work: LaneJob) -> SessionJob:
         if self.faulted:
-            raise LaneWorkError(503, "lane_unhealthy", "the lane's owner failed too often")
+            # Why it is out: its hosts failed too often, or cannot run CUDA at all.
+            raise LaneWorkError(503, "lane_unhealthy", self.fault_reason or "the lane is out")
         if self.stopped or self._nursery is None:
             raise LaneWorkError(503, "shutting_down", "the lane owner is not running")
         claims = self._validator.validate(token, lane_id=self.lane.lane_id, op=lane_op(work))
@@ -442,9 +443,10 @@ class LaneOwner:
         host, self._host = self._host, None
         if host is not None:
             await host.aclose()  # shielded, bounded and killing by LaneHost's own contract
-        self._host_reserved(0)  # its context went with it
 
     def _host_reserved(self, nbytes: int) -> None:
+        """The sentinel's hello said what it holds for itself. Kept while it is
+        replaced: its successor needs the same room, which no guest may take."""
         if nbytes != self.host_reserved:
             self.host_reserved = nbytes
             self._on_reserved(self.lane.lane_id, nbytes)

@@ -3,7 +3,8 @@
 Each invocation that works on a lane gets its own host process there, started at
 its first request and ended with the invocation. The host holds only that
 invocation's buffers, so whatever it does to its host (a kernel that overruns the
-deadline, a crash, memory exhausted, a hang) ends its own session, and with it
+deadline, a crash, memory exhausted, a hang, a sticky device error: `device_failed`)
+ends its own session, and with it
 (at most) its own invocation: no other invocation's buffers or requests are in
 that process. Sessions of different invocations run side by side, so one
 invocation's queue of slow kernels never waits in front of another's request.

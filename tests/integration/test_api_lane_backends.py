@@ -94,7 +94,9 @@ async def test_a_gpu_lane_without_cupy_is_unhealthy_cuda_unavailable_and_runs_no
                 f"/v1/lanes/{lane_id}/work", json=work, headers=bearer(token)
             )
             assert refused.status_code == 503, refused.text
-            assert refused.json()["error"]["code"] == "lane_unhealthy"
+            error = refused.json()["error"]
+            assert error["code"] == "lane_unhealthy"
+            assert error["message"].startswith("cuda_unavailable: ")
         assert not owner.sessions and owner.session_starts == 0
         assert owner.faulted and owner.host_starts <= 3  # probed with backoff, no loop
 

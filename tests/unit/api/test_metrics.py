@@ -13,6 +13,8 @@ from prometheus_client.samples import Sample
 
 from api.metrics import NodeMetrics
 from machine import Machine
+from machine.lanes import Isolation, Requirement
+from machine.ledger import ReservationRequest
 from supervisor.wire import InvocationState
 from tests.fakes.fake_pynvml import FakeNvml, gpu_and_mig
 from tests.supervisor_fixtures import builtin, open_rig
@@ -227,5 +229,42 @@ async def test_cpu_only_node_has_no_gpu_series(tmp_path: Path, devices: str) -> 
         assert fams["DCGM_FI_DEV_GPU_UTIL"] == [] and fams["litegraph_capacity_vram_bytes"] == []
         assert only(fams["litegraph_capacity_gpus"], kind="total") == 0
         assert only(fams["litegraph_host_memory_available_bytes"]) > 0
+    finally:
+        await machine.aclose()
+
+
+async def test_vram_in_use_beyond_the_grants_is_a_metric_and_past_the_headroom_a_note(
+    tmp_path: Path,
+) -> None:
+    fake = gpu_and_mig()
+    machine = await open_machine(tmp_path, devices="nvml", nvml=fake)
+    try:
+        granted = machine.ledger.reserve(
+            ReservationRequest(
+                reservation_id="granted",
+                requirement=Requirement.GPU,
+                isolation=Isolation.SHARED,
+                vram_bytes=4 * GiB,
+            )
+        )
+        assert [g.device_id for g in granted.lanes] == ["GPU-a"]  # GPU-b is in MIG mode
+        fams = scrape(metrics_of(machine))
+        # GPU-a has 1 GiB in use and 4 GiB granted: 3 GiB granted and unused.
+        assert only(fams["litegraph_vram_drift_bytes"], device_id="GPU-a") == -3 * GiB
+        assert not [n for n in machine.snapshot().notes if n.startswith("vram_drift: GPU-a")]
+        fake.gpus[0].memory_used = 6 * GiB  # a cache or a process the node never granted
+        await machine.probe()
+        fams = scrape(metrics_of(machine))
+        assert only(fams["litegraph_vram_drift_bytes"], device_id="GPU-a") == 2 * GiB
+        (note,) = [n for n in machine.snapshot().notes if n.startswith("vram_drift: GPU-a")]
+        assert note.startswith("vram_drift: GPU-a has 2048 MiB in use beyond the 4096 MiB")
+    finally:
+        await machine.aclose()
+
+
+async def test_simulated_gpus_have_no_vram_drift(tmp_path: Path) -> None:
+    machine = await open_machine(tmp_path)
+    try:
+        assert series(scrape(metrics_of(machine))["litegraph_vram_drift_bytes"]) == []
     finally:
         await machine.aclose()

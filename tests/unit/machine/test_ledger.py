@@ -275,7 +275,7 @@ def test_a_lanes_host_context_is_kept_back_with_the_headroom() -> None:
     granted = led.reserve(whole)
     assert granted.lanes[0].vram_bytes == 24 * GiB - GiB // 2 - context
     led.release("d")
-    led.set_host_reserved(lane.lane_id, 0)  # its host went, and its context with it
+    led.set_host_reserved(lane.lane_id, 0)  # a host that holds nothing for itself (NumPy)
     assert led.host_reserved(lane.lane_id) == 0
     assert led.vram_free(lane.lane_id) == 24 * GiB - GiB // 2
 
