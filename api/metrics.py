@@ -4,7 +4,8 @@ Capacity, devices, host memory and invocation figures are read from the
 current snapshot and the supervisor at scrape time (a collector), so they can
 never drift from what the API serves; refusals and lane work latency are
 counted as they happen. Each family has one unit. The list is in
-docs/metrics.md.
+docs/metrics.md. Counters and histograms have no `_created` series (as
+dcgm-exporter has none): prometheus_client's are turned off for the process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,6 +32,10 @@ from machine.vram_drift import vram_drift
 from supervisor.wire import InvocationState
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics"]
+
+# prometheus_client adds a `<name>_created` gauge to every counter and histogram
+# child; the flag is the process's and is read at each scrape.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated upstream)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Snapshot amount -> `kind` label (the ledger's capacity is the total it hands out from).

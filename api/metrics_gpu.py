@@ -4,9 +4,14 @@ A dashboard built for NVIDIA's dcgm-exporter works on these series: each GPU
 carries `gpu`, `UUID`, `device`, `modelName`, `Hostname` and `pci_bus_id`; a
 MIG instance adds `GPU_I_PROFILE` and `GPU_I_ID` to its GPU's labels. A
 reading the device does not support is left out, never reported as 0.
-dcgm-exporter declares the ECC counts counters; they are gauges here because
-the text format would rename a counter `..._TOTAL_total` (and the volatile
-counts return to 0 when the GPU is reset).
+dcgm-exporter declares the ECC, energy, PCIe replay and remapped-row counts
+counters; they are gauges here because the text format would rename a counter
+`..._TOTAL_total` (and the volatile counts return to 0 when the GPU is reset).
+
+The node's own GPU series (`litegraph_*`) keep to promtool's naming rules
+(no camelCase label): they carry `device_id` and, to join with the DCGM
+series, `UUID` (a MIG instance: its GPU's uuid and `GPU_I_ID`, as DCGM labels
+the instance).
 """
 
 from __future__ import annotations
@@ -57,6 +62,36 @@ _DEVICE_FIELDS: tuple[tuple[str, str, str, float], ...] = (
         "ecc_aggregate_uncorrected",
         1,
     ),
+    (
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        "Total energy consumption since boot (in mJ).",
+        "total_energy_mj",
+        1,
+    ),
+    (
+        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+        "Total number of PCIe retries.",
+        "pcie_replay_count",
+        1,
+    ),
+    (
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        "Number of remapped rows for uncorrectable errors",
+        "remapped_rows_uncorrectable",
+        1,
+    ),
+    (
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        "Number of remapped rows for correctable errors",
+        "remapped_rows_correctable",
+        1,
+    ),
+    (
+        "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+        "Whether remapping of rows has failed",
+        "remapped_rows_failed",
+        1,
+    ),
 )
 _SCALE = {attribute: scale for _, _, attribute, scale in _DEVICE_FIELDS}
 # The fields a MIG instance reports on its own (NVML reads the rest per GPU only).
@@ -80,40 +115,50 @@ def _labels(index: int, device: DeviceSection, hostname: str) -> dict[str, str]:
 
 
 def _mig_labels(base: dict[str, str], mig: MigSection) -> dict[str, str]:
+    return {**base, "GPU_I_PROFILE": mig.profile, "GPU_I_ID": _gpu_instance(mig)}
+
+
+def _gpu_instance(mig: MigSection) -> str:
     # Without a GPU instance id (not reported), the instance's uuid keeps its series apart.
-    gi = str(mig.gpu_instance_id) if mig.gpu_instance_id is not None else mig.mig_uuid
-    return {**base, "GPU_I_PROFILE": mig.profile, "GPU_I_ID": gi}
+    return str(mig.gpu_instance_id) if mig.gpu_instance_id is not None else mig.mig_uuid
+
+
+def _health(family: GaugeMetricFamily, labels: dict[str, str], state: HealthState | None) -> None:
+    for each in HealthState:
+        value = 1.0 if state is each else 0.0
+        family.add_sample(family.name, {**labels, "state": each.value}, value)
 
 
 def gpu_families(snapshot: NodeSnapshot) -> Iterator[Metric]:
-    """The dcgm-style families, XID totals and device health of every GPU."""
+    """The dcgm-style families, XID totals and the health of every GPU and MIG instance."""
     families = {name: GaugeMetricFamily(name, text) for name, text, _, _ in _DEVICE_FIELDS}
     xids = CounterMetricFamily(
         "litegraph_gpu_xid_errors", "XID events seen since the daemon started", labels=None
     )
     health = GaugeMetricFamily(
         "litegraph_device_health",
-        "1 for the device's current health state",
-        labels=["device_id", "state"],
+        "1 for the device's current health state (a GPU, or a MIG instance on its own)",
+        labels=None,
     )
     for index, device in enumerate(snapshot.devices):
         labels = _labels(index, device, snapshot.node_id)
+        own = {"device_id": device.device_id, "UUID": device.device_id}
         for name, _, attribute, scale in _DEVICE_FIELDS:
             value = getattr(device, attribute)
             if value is not None:
-                families[name].add_sample(name, labels, value * scale)
+                families[name].add_sample(name, labels, float(value) * scale)
+        _health(health, own, device.health)
         for mig in device.mig_instances:
             mig_labels = _mig_labels(labels, mig)
             for name, attribute in _MIG_FIELDS.items():
                 value = getattr(mig, attribute)
                 if value is not None:
                     families[name].add_sample(name, mig_labels, value * _SCALE[attribute])
+            if mig.health is not None:  # absent in documents from before the field
+                mig_own = {"device_id": mig.mig_uuid, "UUID": device.device_id}
+                _health(health, {**mig_own, "GPU_I_ID": _gpu_instance(mig)}, mig.health)
         if device.xid_errors is not None:
-            xids.add_sample("litegraph_gpu_xid_errors_total", labels, device.xid_errors)
-        for state in HealthState:
-            health.add_metric(
-                [device.device_id, state.value], 1.0 if device.health is state else 0.0
-            )
+            xids.add_sample("litegraph_gpu_xid_errors_total", own, device.xid_errors)
     yield from families.values()
     yield xids
     yield health

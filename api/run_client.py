@@ -1,6 +1,11 @@
 """`litegraph-node run -- CMD ...`: submit a process invocation, stream every byte of its
 stdout to ours and its stderr to ours as it is written (GET .../logs, follow), wait for
-its end (POST /v1/invocations:wait), exit with its status; cancel on Ctrl-C."""
+its end (POST /v1/invocations:wait), exit with its status; cancel on Ctrl-C.
+
+A node that stops under it answers first (its API serves until its running work has
+ended): `run` says how the invocation ended, `cancelled (shutdown)`, and exits with
+that state's status. A node that goes away without an answer (killed, the connection
+lost for good) gets one line saying so and NODE_GONE_EXIT."""
 
 from __future__ import annotations
 
@@ -23,7 +28,15 @@ from supervisor.wire import (
     WaitRequest,
 )
 
-__all__ = ["BROKEN_PIPE_EXIT", "LogsLost", "OutputClosed", "follow_command", "follow_log"]
+__all__ = [
+    "BROKEN_PIPE_EXIT",
+    "NODE_GONE_EXIT",
+    "LogsLost",
+    "NodeGone",
+    "OutputClosed",
+    "follow_command",
+    "follow_log",
+]
 
 # How long one wait lasts while the invocation is queued (so `running` shows at once).
 STATE_SECONDS = 0.25
@@ -40,10 +53,16 @@ EXIT_CODES = {
 }
 # Our own stdout closed early (`run ... | head`): what a shell reports for SIGPIPE.
 BROKEN_PIPE_EXIT = 141
+# The node went away before it said how the invocation ended (sysexits' EX_UNAVAILABLE).
+NODE_GONE_EXIT = 69
 
 
 class LogsLost(Exception):
     """The node no longer answers for the invocation."""
+
+
+class NodeGone(LogsLost):
+    """The node stopped answering at all (refused, reset, cut) and did not come back."""
 
 
 class OutputClosed(Exception):
@@ -126,7 +145,7 @@ async def follow_log(
         except httpx.TransportError as exc:
             resumed += 1
             if resumed > RESUMES:
-                raise LogsLost(f"the {stream} stream broke: {exc!r}") from None
+                raise NodeGone(f"the {stream} stream broke: {exc!r}") from None
             await trio.sleep(RESUME_SECONDS)
 
 
@@ -172,11 +191,19 @@ async def follow_command(
             return await _follow(client, invocation_id, out, err)
         except BaseException as raised:
             with trio.move_on_after(REQUEST_SECONDS, shield=True):
-                await client.delete(f"/v1/invocations/{invocation_id}")
-                _say(err, f"\n{invocation_id}: cancelled")
+                try:
+                    await client.delete(f"/v1/invocations/{invocation_id}")
+                except httpx.TransportError:
+                    _say(err, f"\n{invocation_id}: not cancelled: {_gone(base_url)}")
+                else:
+                    _say(err, f"\n{invocation_id}: cancelled")
             if isinstance(raised, OutputClosed):
                 return BROKEN_PIPE_EXIT
             raise
+
+
+def _gone(base_url: str) -> str:
+    return f"the node at {base_url} went away"
 
 
 async def _wait(
@@ -207,14 +234,24 @@ async def _status(client: httpx.AsyncClient, invocation_id: str) -> InvocationSt
 async def _until_ended(
     client: httpx.AsyncClient, invocation_id: str, err: BinaryIO
 ) -> InvocationStatus:
-    """Wait for the end, saying when the invocation starts to run."""
+    """Wait for the end, saying when the invocation starts to run. A request cut on
+    the way is asked again, up to RESUMES times in a row; then the node is gone."""
     state: InvocationState | None = InvocationState.queued
+    tries = 0
     while True:
         seconds = STATE_SECONDS if state is InvocationState.queued else END_SECONDS
-        ended = await _wait(client, invocation_id, seconds)
-        if ended is not None:
-            return ended
-        status = await _status(client, invocation_id)
+        try:
+            ended = await _wait(client, invocation_id, seconds)
+            if ended is not None:
+                return ended
+            status = await _status(client, invocation_id)
+        except httpx.TransportError as exc:
+            tries += 1
+            if tries > RESUMES:
+                raise NodeGone(f"waiting for its end: {exc!r}") from None
+            await trio.sleep(RESUME_SECONDS)
+            continue
+        tries = 0
         if status.state is not state:
             state = status.state
             _say(err, f"{invocation_id}: {state.value}")
@@ -244,6 +281,14 @@ async def _follow(
     if problems:
         if isinstance(problems[0], OutputClosed):
             raise problems[0]
+        if isinstance(problems[0], NodeGone):
+            # One line, not the transport's own words ("All connection attempts failed").
+            _say(
+                err,
+                f"litegraph-node run: {_gone(str(client.base_url).rstrip('/'))} before"
+                f" {invocation_id} ended; how it ended is unknown",
+            )
+            return NODE_GONE_EXIT
         _say(err, f"litegraph-node run: lost the invocation: {problems[0]}")
         return 1
     status = ended[0]

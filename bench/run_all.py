@@ -84,8 +84,9 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
     text = render(results, loads, notes)
-    if only and (HERE / "RESULTS.md").exists():
-        # Only some modules ran: replace their sections and keep the others.
+    if (HERE / "RESULTS.md").exists():
+        # Sections of modules that did not run are kept, and so are those no module
+        # writes (such as `make certify-gpu`'s record of a run on a real GPU).
         text = merge((HERE / "RESULTS.md").read_text(), text)
     (HERE / "RESULTS.md").write_text(text)
     return 0

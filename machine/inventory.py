@@ -116,6 +116,9 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     remapped_rows_pending: bool | None = None
     # A row remapping failed: permanent, the GPU needs service.
     remapped_rows_failed: bool | None = None
+    # Rows remapped for correctable and for uncorrectable memory errors (Ampere and later).
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
     memory_used_bytes: int | None = None
     memory_free_bytes: int | None = None
     utilization_gpu_percent: float | None = None
@@ -125,6 +128,10 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     ecc_volatile_corrected: int | None = None
     ecc_aggregate_corrected: int | None = None
     ecc_aggregate_uncorrected: int | None = None
+    # Energy the GPU consumed since the driver was loaded, in millijoules (Volta and later).
+    total_energy_mj: int | None = None
+    # PCIe replays (link-level retries) since the driver was loaded.
+    pcie_replay_count: int | None = None
     # XID events seen since the source opened, and the code of the latest one;
     # None when the backend cannot deliver XID events for this device.
     xid_count: int | None = None

@@ -58,6 +58,8 @@ def _read(nv: Any, gpu: GpuHandle, watch: XidWatch, drained: Drained) -> Probe:
     rates = f.get("utilization", nv.nvmlDeviceGetUtilizationRates, h)
     sm_clock = f.get("sm_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
     mem_clock = f.get("memory_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
+    energy = f.get("total_energy_mj", nv.nvmlDeviceGetTotalEnergyConsumption, h)
+    replays = f.get("pcie_replay_count", nv.nvmlDeviceGetPcieReplayCounter, h)
     ecc_counts = [
         f.get(name, nv.nvmlDeviceGetTotalEccErrors, h, kind, counter)
         for name, kind, counter in (
@@ -83,6 +85,8 @@ def _read(nv: Any, gpu: GpuHandle, watch: XidWatch, drained: Drained) -> Probe:
         # (corrected, uncorrected, pending, failure): a failure is pending for good.
         remapped_rows_pending=bool(remapped[2] or remapped[3]) if remapped is not None else None,
         remapped_rows_failed=bool(remapped[3]) if remapped is not None else None,
+        remapped_rows_correctable=_int(remapped[0]) if remapped is not None else None,
+        remapped_rows_uncorrectable=_int(remapped[1]) if remapped is not None else None,
         memory_used_bytes=used,
         memory_free_bytes=free,
         utilization_gpu_percent=float(rates.gpu) if rates is not None else None,
@@ -92,6 +96,8 @@ def _read(nv: Any, gpu: GpuHandle, watch: XidWatch, drained: Drained) -> Probe:
         ecc_volatile_corrected=_int(ecc_counts[0]),
         ecc_aggregate_corrected=_int(ecc_counts[1]),
         ecc_aggregate_uncorrected=_int(ecc_counts[2]),
+        total_energy_mj=_int(energy),
+        pcie_replay_count=_int(replays),
         xid_count=watch.count if watch.watching else None,
         last_xid=watch.last if watch.watching else None,
         mig=migs,

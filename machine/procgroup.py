@@ -11,6 +11,13 @@ grace period, so N stubborn groups take one grace, not N.
 
 `signal_group` refuses a group id of 1 or less and the daemon's own group:
 kill(-1) reaches every process, kill(0) the daemon's own group.
+
+A sandboxed guest is ended differently (`terminate_sandbox`): its group holds only
+bubblewrap, which does not pass SIGTERM on. It dies of it at once, and its init (pid
+1 of the guest's pid namespace, a session of its own) dies with it, so the kernel
+SIGKILLs everything in the namespace: the guest's own TERM handler never runs.
+SIGTERM goes instead to the guest's own processes, every descendant of that init;
+bubblewrap exits once the guest's first process has, taking the rest along.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Protocol
 
 import trio
 
-from machine.proc import ProcStat, iter_stats
+from machine.proc import ProcStat, iter_stats, read_stat
 
 __all__ = [
     "KILL_WAIT_SECONDS",
@@ -32,9 +39,12 @@ __all__ = [
     "group_has_live_member",
     "group_members",
     "live_groups",
+    "sandbox_guest",
     "signal_group",
+    "signal_process",
     "terminate_group",
     "terminate_groups",
+    "terminate_sandbox",
     "wait_group_gone",
     "wait_groups_gone",
 ]
@@ -59,6 +69,46 @@ def signal_group(pgid: int, signum: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def signal_process(stat: ProcStat, signum: int) -> bool:
+    """Send `signum` to the process `stat` describes, and only to it: through a pidfd,
+    once its start time shows the pid still names that process. False if it is gone."""
+    try:
+        pidfd = os.pidfd_open(stat.pid)
+    except OSError:
+        return False
+    try:
+        now = read_stat(stat.pid)
+        if now is None or now.start_ticks != stat.start_ticks or not now.alive:
+            return False
+        signal.pidfd_send_signal(pidfd, signum)
+    except OSError:
+        return False
+    finally:
+        os.close(pidfd)
+    return True
+
+
+def sandbox_guest(leader: int) -> list[ProcStat]:
+    """The live processes of a sandboxed guest: every descendant of the sandbox's init,
+    the child of `leader` (bubblewrap, our own child) that is pid 1 of the guest's pid
+    namespace; the init itself is not one. [] before the sandbox runs the guest, after
+    the guest has gone, or when /proc cannot be read. Orphans in the namespace are
+    reparented to that init, so none is missed by a double fork."""
+    stats = iter_stats()
+    if stats is None:
+        return []
+    children: dict[int, list[ProcStat]] = {}
+    for stat in stats:
+        children.setdefault(stat.ppid, []).append(stat)
+    found: list[ProcStat] = []
+    todo = [init.pid for init in children.get(leader, ())]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child.pid)
+    return [stat for stat in found if stat.alive]
 
 
 def live_groups(pgids: Collection[int]) -> set[int]:
@@ -142,6 +192,41 @@ async def terminate_group(
         return True
     log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
     signal_group(pgid, signal.SIGKILL)
+    if await wait_group_gone(pgid, kill_wait, leader):
+        return True
+    log.error("process group %d survived SIGKILL", pgid)
+    return False
+
+
+async def terminate_sandbox(
+    pgid: int,
+    grace: float,
+    *,
+    leader: Leader,
+    kill_wait: float = KILL_WAIT_SECONDS,
+) -> bool:
+    """End a sandboxed guest whose bubblewrap, our own child `leader`, leads group
+    `pgid` (its pid): SIGTERM to the guest's own processes (`sandbox_guest`), never
+    to bubblewrap; up to `grace` for bubblewrap to exit (it does once the guest's
+    first process has) and the group to empty; then SIGKILL to the group, which
+    takes the whole sandbox (its init dies with bubblewrap, and the kernel kills the
+    rest of its namespace), and to the guest's processes. Before the guest runs (at
+    its gate) or after it is gone, this is `terminate_group`. Returns as
+    `terminate_group` does; callers run it shielded with a deadline too."""
+    guest = sandbox_guest(pgid)
+    if not guest:
+        return await terminate_group(pgid, grace, leader=leader, kill_wait=kill_wait)
+    if not [stat for stat in guest if signal_process(stat, signal.SIGTERM)]:
+        return await terminate_group(pgid, grace, leader=leader, kill_wait=kill_wait)
+    if await wait_group_gone(pgid, grace, leader):
+        return True
+    log.info(
+        "sandbox %d still alive %.1f s after SIGTERM to its guest; sending SIGKILL", pgid, grace
+    )
+    # bubblewrap's death takes the sandbox (--die-with-parent); its guest goes directly too.
+    signal_group(pgid, signal.SIGKILL)
+    for stat in sandbox_guest(pgid):
+        signal_process(stat, signal.SIGKILL)
     if await wait_group_gone(pgid, kill_wait, leader):
         return True
     log.error("process group %d survived SIGKILL", pgid)

@@ -75,6 +75,10 @@ class MigSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     memory_free_bytes: int | None = None
     utilization_gpu_percent: float | None = None
     utilization_memory_percent: float | None = None
+    # The instance's own health (machine/health.py: its own XIDs, its GPU's resets);
+    # its lane's health is the worse of this and its GPU's. Absent in older documents.
+    health: HealthState | None = None
+    health_reasons: tuple[str, ...] = ()
 
 
 class DeviceSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -103,6 +107,14 @@ class DeviceSection(_Wire, frozen=True, kw_only=True, forbid_unknown_fields=True
     ecc_volatile_corrected: int | None = None
     ecc_aggregate_corrected: int | None = None
     ecc_aggregate_uncorrected: int | None = None
+    # Row remapping (Ampere and later): rows remapped for correctable and for
+    # uncorrectable errors, and whether a remapping failed.
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_failed: bool | None = None
+    # Energy consumed since the driver was loaded, in millijoules, and PCIe replays.
+    total_energy_mj: int | None = None
+    pcie_replay_count: int | None = None
     # XID events seen since the daemon started and the latest code (0: none yet);
     # absent when the driver cannot deliver XID events for this device.
     xid_errors: int | None = None
@@ -211,6 +223,11 @@ _DEVICE_READINGS = (
     "ecc_volatile_corrected",
     "ecc_aggregate_corrected",
     "ecc_aggregate_uncorrected",
+    "remapped_rows_correctable",
+    "remapped_rows_uncorrectable",
+    "remapped_rows_failed",
+    "total_energy_mj",
+    "pcie_replay_count",
     "last_xid",
 )
 _MIG_READINGS = (
@@ -225,12 +242,15 @@ def _readings(reading: Probe | MigReading | None, names: tuple[str, ...]) -> dic
     return {name: getattr(reading, name) for name in names} if reading is not None else {}
 
 
-def _mig(mig: MigInstance, reading: MigReading | None) -> MigSection:
+def _mig(mig: MigInstance, reading: MigReading | None, health: HealthTracker) -> MigSection:
+    h = health.health(mig.uuid)
     return MigSection(
         mig_uuid=mig.uuid,
         profile=mig.name,
         memory_total_bytes=mig.memory_total_bytes,
         gpu_instance_id=mig.gpu_instance_id,
+        health=h.state,
+        health_reasons=h.reasons,
         **{"memory_used_bytes": mig.memory_used_bytes, **_readings(reading, _MIG_READINGS)},
     )
 
@@ -248,7 +268,7 @@ def _device(gpu: GpuDevice, health: HealthTracker) -> DeviceSection:
         memory_total_bytes=gpu.memory_total_bytes,
         compute_capability=gpu.compute_capability,
         mig_enabled=gpu.mig_enabled,
-        mig_instances=tuple(_mig(m, migs.get(m.uuid)) for m in gpu.mig_instances),
+        mig_instances=tuple(_mig(m, migs.get(m.uuid), health) for m in gpu.mig_instances),
         health=h.state,
         health_reasons=h.reasons,
         xid_errors=last.xid_count if last else None,

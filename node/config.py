@@ -83,6 +83,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     telemetry_bearer_file: str
     health_interval: float
     shutdown_grace: float
+    kill_grace: float
     state_lock_wait: float
     accept_journal_loss: bool
     idempotency_window: float
@@ -247,6 +248,7 @@ _CHECKS: dict[str, Any] = {
     "telemetry_bearer_file": _absolute_or_empty,
     "health_interval": _positive,
     "shutdown_grace": _non_negative,
+    "kill_grace": _non_negative,
     "state_lock_wait": _non_negative,
     "idempotency_window": _positive,
     "idempotency_max_ids": lambda v: int(_positive(v)),

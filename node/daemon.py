@@ -7,7 +7,9 @@ HTTP server (probes answer while the rest starts), then keys, discovery,
 journal recovery, the supervisor and its lane owners, the health monitor and
 telemetry. /readyz turns 200 once all are done.
 Shutdown: stop admitting, give running work `--shutdown-grace`, cancel the
-rest, release everything, close the journal.
+rest (each guest gets SIGTERM and `--kill-grace` before SIGKILL), release
+everything, close the journal. The API serves on until the supervisor is done,
+so whoever follows an invocation learns how it ended; then the servers close.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import os
 import pathlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -55,11 +57,17 @@ from supervisor.lane_host import lane_host_factory
 from supervisor.logstore import LogLimits, LogStore, LogStoreError
 from supervisor.wire import InvocationState, NodeEvent
 
+if TYPE_CHECKING:
+    from quart_trio import QuartTrio
+
 __all__ = ["Daemon", "StartupError", "http_settings", "lane_host_env", "startup_error_in"]
 
 log = logging.getLogger(__name__)
 # Past this, whatever has not stopped after the grace period is cancelled.
 SHUTDOWN_MARGIN = 15.0
+# Once running work has ended: how long the HTTP server gets to close (Hypercorn
+# gives busy connections its graceful timeout, 3 s).
+SERVERS_CLOSE_SECONDS = 5.0
 EVENT_SUBSCRIBERS = 32
 EVENT_BUFFER = 256
 # Live (invocation, lane) tokens; admission holds far fewer (max-queued + max-running).
@@ -155,6 +163,9 @@ class Daemon:
         self.config = config
         self.dev = dev
         self.stop = trio.Event()
+        # Set once running work has ended on the way out: the API servers close then.
+        self.served = trio.Event()
+        self._http_closed = trio.Event()
         self.readiness = Readiness(("http", "keys", "discovery", "journal", "supervisor"))
         self.context = NodeContext(
             http=http_settings(config), readiness=self.readiness, metrics=NodeMetrics()
@@ -228,9 +239,7 @@ class Daemon:
         try:
             async with trio.open_nursery() as components:
                 try:
-                    addresses = await components.start(
-                        serve_http, app, self.context.http, self.stop
-                    )
+                    addresses = await components.start(self._serve_http, app)
                 except BaseException as raised:  # re-raised unless the bind itself failed
                     if (taken := sole_error(raised, OSError)) is None:
                         raise
@@ -244,14 +253,23 @@ class Daemon:
                 task_status.started(self.url)
                 await self.stop.wait()
                 notify("STOPPING=1")
+                self.readiness.block("shutdown", "the node is stopping")
                 components.cancel_scope.deadline = (
-                    trio.current_time() + self.config.shutdown_grace + SHUTDOWN_MARGIN
+                    trio.current_time()
+                    + self.config.shutdown_grace
+                    + self.config.kill_grace
+                    + SHUTDOWN_MARGIN
                 )
                 if self.context.events is not None:
                     # Event streams end cleanly now, inside the server's grace period.
                     self.context.events.close()
                 if self.supervisor is not None:
                     await self.supervisor.shutdown(self.config.shutdown_grace)
+                # Only now do the servers close: a `run` waiting on an invocation was
+                # answered how it ended (`cancelled`, `shutdown`), its logs are complete.
+                self.served.set()
+                with trio.move_on_after(SERVERS_CLOSE_SECONDS):
+                    await self._http_closed.wait()
                 components.cancel_scope.cancel()
         finally:
             with trio.move_on_after(10, shield=True):
@@ -259,6 +277,15 @@ class Daemon:
                     await self.machine.aclose()
             if self.guests is not None:
                 self.guests.close()  # the guests' user namespace, where there is one
+
+    async def _serve_http(
+        self, app: QuartTrio, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Hypercorn until `served`: through shutdown's grace and the guests' endings."""
+        try:
+            await serve_http(app, self.context.http, self.served, task_status=task_status)
+        finally:
+            self._http_closed.set()
 
     async def _start_components(self, nursery: trio.Nursery) -> None:
         config = self.config
@@ -304,6 +331,7 @@ class Daemon:
             max_running=config.max_running,
             max_kernel_seconds=config.max_kernel_seconds,
             node_url=self.url,
+            kill_grace=config.kill_grace,
             on_change=snapshots.mark_changed,
             guests=guests.policy,
             logs=logs,
@@ -314,7 +342,8 @@ class Daemon:
         self.readiness.check_note("cuda", supervisor.cuda_unavailable_lanes)
         await nursery.start(supervisor.run)
         if guests.socket is not None:
-            nursery.start_soon(serve_unix, self._app, self.context.http, guests.socket, self.stop)
+            # Guests reach the node until their work has ended, shutdown's grace included.
+            nursery.start_soon(serve_unix, self._app, self.context.http, guests.socket, self.served)
         self.context.snapshots = snapshots
         self.context.history = history = DeviceHistory(config.health_interval)
         self.context.events = events

@@ -5,8 +5,12 @@ stdin from /dev/null, a tight environment, the devices it was granted and
 nothing else, and optionally a memory limit and a CPU set. However the run
 ends - normal exit, an exception, the caller's cancel scope or deadline,
 KeyboardInterrupt - the whole process group is ended: SIGTERM, up to
-`kill_grace` seconds for it to empty, then SIGKILL. That cleanup runs shielded
-and with its own deadline, and then whatever ended the run propagates.
+`kill_grace` seconds for it to empty, then SIGKILL. A sandboxed guest's SIGTERM
+goes to its own processes inside the sandbox, not to bubblewrap, which would die
+of it and take the guest with it by SIGKILL (`machine.procgroup.terminate_sandbox`).
+That cleanup runs shielded and with its own deadline, its output is read to the end
+meanwhile (what a TERM handler prints is kept), and then whatever ended the run
+propagates.
 
 What a request may ask is checked by `supervisor.process_validation`, the child's
 environment is made by `supervisor.process_env`, and its memory and other limits
@@ -25,7 +29,7 @@ import trio
 
 from machine.cgroups import Cgroups, CgroupUsage, InvocationCgroup
 from machine.proc import process_start_ticks
-from machine.procgroup import terminate_group
+from machine.procgroup import terminate_group, terminate_sandbox
 from supervisor.launch import Launch, plan
 from supervisor.output import OutputRing, Sink, pump
 from supervisor.process_cgroup import (
@@ -101,6 +105,21 @@ def _open_pidfd(pid: int) -> int | None:
 
 
 # -- running -----------------------------------------------------------------
+
+
+async def _pump_both(
+    scope: trio.CancelScope,
+    proc: Child,
+    stdout: OutputRing,
+    stderr: OutputRing,
+    sinks: tuple[Sink, Sink] | None,
+) -> None:
+    """Both streams to their rings and sinks until EOF, or until `scope` ends it."""
+    out_sink, err_sink = sinks or (None, None)
+    with scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, proc.stdout, stdout, out_sink)
+            nursery.start_soon(pump, proc.stderr, stderr, err_sink)
 
 
 def _prepare(
@@ -197,7 +216,10 @@ async def run_process(
         ended = True
         # The hook bounds itself; the group's ending and the cgroup's have this.
         with trio.move_on_after(kill_grace + 15, shield=True):
-            await terminate_group(pgid, kill_grace, leader=proc)
+            if spec.sandbox is not None:
+                await terminate_sandbox(pgid, kill_grace, leader=proc)
+            else:
+                await terminate_group(pgid, kill_grace, leader=proc)
         with trio.CancelScope(shield=True):
             if cgroup is not None and before_cgroup_end is not None:
                 await before_cgroup_end()
@@ -217,21 +239,25 @@ async def run_process(
         finally:
             os.close(gate_write)
         async with trio.open_nursery() as nursery:
-            out_sink, err_sink = sinks or (None, None)
-            nursery.start_soon(pump, proc.stdout, stdout, out_sink)
-            nursery.start_soon(pump, proc.stderr, stderr, err_sink)
-            oom_watch = trio.CancelScope()
-            if cgroup is not None and cgroup.version == "v1":
-                # v1's OOM killer ends one process; an invocation ends whole (v2: oom.group).
-                nursery.start_soon(watch_oom, cgroup, oom_watch)
-            await _wait_exit_unreaped(proc, pidfd)
-            oom_watch.cancel()
-            # A normal exit too ends the group: grandchildren left behind go as well,
-            # and then the pipes reach EOF.
-            await end_group()
-            nursery.cancel_scope.deadline = min(
-                nursery.cancel_scope.deadline, trio.current_time() + _DRAIN_SECONDS
-            )
+            # Shielded: a cancel or deadline that ends the run does not stop the
+            # reading; what the guest writes while it ends (its TERM handler) is kept.
+            reading = trio.CancelScope(shield=True)
+            nursery.start_soon(_pump_both, reading, proc, stdout, stderr, sinks)
+            try:
+                oom_watch = trio.CancelScope()
+                if cgroup is not None and cgroup.version == "v1":
+                    # v1's OOM killer ends one process; an invocation ends whole (v2: oom.group).
+                    nursery.start_soon(watch_oom, cgroup, oom_watch)
+                await _wait_exit_unreaped(proc, pidfd)
+                oom_watch.cancel()
+            finally:
+                # A normal exit too ends the group: grandchildren left behind go as
+                # well, and then the pipes reach EOF. A cancel ends it here, while
+                # the output is still read.
+                try:
+                    await end_group()
+                finally:
+                    reading.deadline = min(reading.deadline, trio.current_time() + _DRAIN_SECONDS)
     finally:
         # Exception, cancellation, KeyboardInterrupt: same ending, then it propagates.
         await end_group()

@@ -3,11 +3,14 @@
 Chromium reads commands on fd 3 and writes replies on fd 4, each a JSON
 object ended by a NUL byte (`--remote-debugging-pipe`). `page()` yields a
 `Page` attached to the browser's one tab; `evaluate` runs an expression in
-it (awaiting a promise) and `wait_for` polls one until it is truthy.
+it (awaiting a promise), `wait_for` polls one until it is truthy, `viewport`
+sets the tab's size, `click` and `press` send the mouse and keyboard input a
+person would, and `screenshot` saves what the tab shows as a PNG.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import json
@@ -79,6 +82,41 @@ class Page:
 
     async def goto(self, url: str) -> None:
         await self.call("Page.navigate", url=url)
+
+    async def viewport(self, width: int, height: int) -> None:
+        """Lay the page out in a `width` x `height` CSS-pixel window, at one device pixel each."""
+        await self.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
+    async def click(self, x: float, y: float) -> None:
+        """A left click at (`x`, `y`), in CSS pixels from the viewport's top left."""
+        for kind in ("mousePressed", "mouseReleased"):
+            await self.call(
+                "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1
+            )
+
+    async def press(self, key: str, code: int) -> None:
+        """Press and release `key` (a DOM key name such as "Escape"; `code`, its key code)."""
+        for kind in ("keyDown", "keyUp"):
+            await self.call(
+                "Input.dispatchKeyEvent",
+                type=kind,
+                key=key,
+                code=key,
+                windowsVirtualKeyCode=code,
+            )
+
+    async def screenshot(self, path: pathlib.Path) -> pathlib.Path:
+        """Save the visible part of the page at `path` (PNG); return `path`."""
+        shot = await self.call("Page.captureScreenshot", format="png")
+        await trio.Path(path.parent).mkdir(parents=True, exist_ok=True)
+        await trio.Path(path).write_bytes(base64.b64decode(shot["data"]))
+        return path
 
     async def wait_for(self, expression: str, seconds: float = 15) -> Any:
         """Poll `expression` in the page until it is truthy; return its value."""

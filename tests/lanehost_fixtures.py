@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import sys
 import textwrap
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import trio
@@ -45,21 +46,49 @@ async def host() -> AsyncIterator[LaneHost]:
 
 @functools.cache
 def cuda_device() -> tuple[str | None, str]:
-    """(the UUID of the first CUDA GPU, or None; why there is none)."""
+    """(the UUID of the first device CUDA can use, or None; why there is none).
+
+    CUDA_VISIBLE_DEVICES naming one GPU or MIG UUID is that device. Otherwise the
+    first GPU NVML lists, or, on a GPU in MIG mode, its first MIG instance: a
+    MIG-enabled parent is no device CUDA can use."""
     try:
         import cupy  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None, "needs CuPy (pip install 'litegraph-node[cuda]'); it is not installed"
+    named = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return None, "needs a CUDA GPU; CuPy sees none"
+        if named.startswith(("GPU-", "MIG-")) and "," not in named:
+            return named, ""
         import pynvml
 
         pynvml.nvmlInit()
-        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return _first_cuda_uuid(pynvml), ""
     except Exception as exc:
         return None, f"needs a CUDA GPU; CuPy or NVML cannot open one: {exc!r}"
-    return (uuid.decode() if isinstance(uuid, bytes) else str(uuid)), ""
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _first_cuda_uuid(pynvml: Any) -> str:
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            mig = pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        except pynvml.NVMLError:
+            mig = False  # NotSupported: a GPU without MIG
+        if not mig:
+            return _text(pynvml.nvmlDeviceGetUUID(handle))
+        for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                instance = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except pynvml.NVMLError:
+                continue  # an empty slot
+            return _text(pynvml.nvmlDeviceGetUUID(instance))
+    raise LookupError("NVML lists no GPU or MIG instance that CUDA can use")
 
 
 def _cupy_skip() -> pytest.MarkDecorator:

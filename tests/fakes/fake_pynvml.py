@@ -9,8 +9,9 @@ so a test cannot pass on behaviour the hardware never shows:
   text ("GPU is lost") and they are unhashable; constants are the real ones;
 - `nvmlInit`/`nvmlShutdown` are reference counted;
 - a MIG instance's name is "<GPU name> MIG <profile>"; utilization is
-  NotSupported on a MIG instance and on a GPU in MIG mode; power and
-  temperature are NotSupported on a MIG instance;
+  NotSupported on a MIG instance and on a GPU in MIG mode; power,
+  temperature, energy, PCIe replays and remapped rows are NotSupported on a
+  MIG instance (they are the GPU's);
 - retired pages are NotSupported unless a test sets them (Ampere and later
   remap rows instead); the MIG mode is a list `[current, pending]`;
 - `nvmlDeviceGetMemoryInfo(handle, version=nvmlMemory_v2)` answers with the
@@ -118,7 +119,11 @@ class FakeGpu:
     ecc_aggregate_corrected: int = 0
     # None: NotSupported, as on Ampere and later (rows are remapped instead).
     retired_pending: int | None = None
+    # (correctable, uncorrectable, pending, failure), as nvmlDeviceGetRemappedRows answers.
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # Since the driver loaded; NVML counts it in millijoules (Volta and later).
+    energy_mj: int = 5_000_000
+    pcie_replays: int = 0
     lost: bool = False
     unsupported: set[str] = dataclasses.field(default_factory=set)
     failing: set[str] = dataclasses.field(default_factory=set)
@@ -492,7 +497,20 @@ class FakeNvml:
     def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
         gpu = self._enter("nvmlDeviceGetRemappedRows", device)
         assert gpu is not None
+        self._gpu_only(device)
         return gpu.remapped_rows
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        gpu = self._enter("nvmlDeviceGetTotalEnergyConsumption", handle)
+        assert gpu is not None
+        self._gpu_only(handle)
+        return gpu.energy_mj
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        gpu = self._enter("nvmlDeviceGetPcieReplayCounter", handle)
+        assert gpu is not None
+        self._gpu_only(handle)
+        return gpu.pcie_replays
 
     # -- events ------------------------------------------------------------------
     def nvmlEventSetCreate(self) -> _EventSet:

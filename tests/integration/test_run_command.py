@@ -18,6 +18,7 @@ from tests.helpers import (
     clean_env,
     guest_cwd,
     node_command,
+    rest_of_stderr,
     run_client,
     spawned,
     stop,
@@ -77,6 +78,52 @@ def test_sigint_cancels_the_invocation(
     # Cancelled means the process is gone: the daemon has no child left but its lane hosts.
     children = psutil.Process(daemon_pid).children(recursive=True)
     assert [p for p in children if "lanehost" not in p.cmdline()] == []
+
+
+def _dev(tmp_path: pathlib.Path) -> tuple[list[str], dict[str, str]]:
+    """A `dev` daemon that cancels running work at once when it stops."""
+    env = clean_env(LITEGRAPH_NODE_STATE_DIR=str(tmp_path / "state"))
+    argv = node_command("dev", "--listen", "127.0.0.1:0", "--shutdown-grace", "0")
+    return argv, env
+
+
+def _no_transport_noise(lines: list[str]) -> None:
+    said = "\n".join(lines)
+    assert "Traceback" not in said and "attempts failed" not in said, said
+    assert "cannot reach" not in said, said
+
+
+def test_a_run_whose_node_stops_says_the_shutdown_cancelled_it(tmp_path: pathlib.Path) -> None:
+    argv, env = _dev(tmp_path)
+    with spawned(argv, env) as daemon:
+        url = wait_for_line(daemon, DEV_LISTENING)
+        with spawned(node_command("run", "--url", url, "--", "sleep", "60"), env) as run:
+            invocation_id = wait_for_line(run, r"(run-[0-9a-f]+): running")
+            assert stop(daemon, signal.SIGTERM, timeout=60) == 0
+            assert run.wait(timeout=30) == 130
+            said = rest_of_stderr(run)
+    # The node answered before it went: how the invocation ended, and why.
+    assert said[-1] == f"{invocation_id}: cancelled (shutdown)", said
+    _no_transport_noise(said)
+
+
+def test_a_run_whose_node_is_killed_says_in_one_line_that_it_went_away(
+    tmp_path: pathlib.Path,
+) -> None:
+    argv, env = _dev(tmp_path)
+    with spawned(argv, env) as daemon:
+        url = wait_for_line(daemon, DEV_LISTENING)
+        with spawned(node_command("run", "--url", url, "--", "sleep", "60"), env) as run:
+            invocation_id = wait_for_line(run, r"(run-[0-9a-f]+): running")
+            daemon.kill()
+            daemon.wait(timeout=30)
+            assert run.wait(timeout=60) == 69
+            said = rest_of_stderr(run)
+    assert said == [
+        f"litegraph-node run: the node at {url} went away before {invocation_id} ended;"
+        " how it ended is unknown"
+    ]
+    _no_transport_noise(said)
 
 
 def test_run_without_a_node_fails_with_one_clear_line(tmp_path: pathlib.Path) -> None:

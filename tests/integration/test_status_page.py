@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 import shutil
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -95,7 +96,7 @@ async def test_status_page_shows_devices_lanes_and_invocations(tmp_path: pathlib
         assert "partitioned" in lanes and "dedicated, sandbox, shared" in lanes
         capacity = table_body(dom, "capacity")
         for vram in snapshot.capacity.vram_bytes:
-            assert f"vram {vram.lane_id}" in capacity
+            assert f"VRAM on <code>{vram.lane_id}</code>" in capacity
         assert table_body(dom, "invocations").strip() == ""
 
         body = builtin_request("from-the-page-test", args={"seconds": 60})
@@ -204,12 +205,12 @@ async def test_drained_and_unhealthy_lanes_never_look_free(tmp_path: pathlib.Pat
     assert 'class="bar out drained"' in lane
     lane = row(dom, "lanes", sick[0].lane_id)
     assert 'class="badge unhealthy">UNHEALTHY — takes no work' in lane, lane
-    vram = row(dom, "capacity", f"vram {drained.lane_id}")
+    vram = row(dom, "capacity", f'data-lane="{drained.lane_id}"')
     assert 'class="bar out drained"' in vram and "DRAINED" in vram, vram
-    vram = row(dom, "capacity", f"vram {sick[0].lane_id}")
+    vram = row(dom, "capacity", f'data-lane="{sick[0].lane_id}"')
     assert 'class="bar out unhealthy"' in vram and "UNHEALTHY" in vram, vram
     cpu = row(dom, "lanes", ">cpu<")
-    assert 'class="badge available">available' in cpu, cpu
+    assert 'class="badge free">free' in cpu, cpu
 
 
 async def test_the_page_says_when_devices_are_simulated(tmp_path: pathlib.Path) -> None:
@@ -509,3 +510,389 @@ async def test_a_scheduler_sees_a_drained_node_but_no_node_button(tmp_path: path
         assert (await get_snapshot(client, node.scheduler)).drained
     assert re.search(r'<div id="node-banner" class="banner drained" role="alert">', dom)
     assert re.search(r'<div id="node-admin" hidden', dom)
+
+
+# What the page looks like in a browser window: each test below drives the page as a
+# person would (a 1280x800 window, mouse and keys), checks what it shows, and saves a
+# screenshot of that moment ($LITEGRAPH_SCREENSHOTS keeps them; else the test's tmp).
+VIEWPORT = (1280, 800)
+PNG = b"\x89PNG\r\n\x1a\n"
+ROW_IDS = "[...document.querySelectorAll('#invocations tbody tr')].map((r) => r.dataset.id)"
+RAW_NAME = re.compile(r"\b[a-z]+_(?:millis|bytes)\b")
+DASH = "\N{EN DASH}"  # what the page shows for "none" and between the ends of a range
+
+
+def screenshots(tmp_path: pathlib.Path) -> pathlib.Path:
+    where = os.environ.get("LITEGRAPH_SCREENSHOTS")
+    return pathlib.Path(where) if where else tmp_path / "screenshots"
+
+
+async def shoot(tab: cdp.Page, tmp_path: pathlib.Path, name: str) -> pathlib.Path:
+    """Save what the tab shows; check it is a PNG of the whole window, not a blank one."""
+    path = await tab.screenshot(screenshots(tmp_path) / f"{name}.png")
+    data = path.read_bytes()
+    assert data.startswith(PNG), f"{path} is not a PNG"
+    assert struct.unpack(">II", data[16:24]) == VIEWPORT, path
+    assert len(data) > 10_000, f"{path} looks blank ({len(data)} bytes)"
+    return path
+
+
+async def open_page(tab: cdp.Page, node: RunningDaemon, fragment: str = "") -> None:
+    """The page in a 1280x800 window, signed in as the scheduler, once it shows the node."""
+    await tab.viewport(*VIEWPORT)
+    await tab.goto(f"{node.url}/#token={node.scheduler}{fragment}")
+    await tab.wait_for(
+        "document.querySelector('#role').textContent.startsWith('signed in')"
+        " && document.querySelectorAll('#lanes tbody tr').length > 0"
+    )
+
+
+def js(value: Any) -> str:
+    """`value` as a JavaScript literal (JSON, compact: as JSON.stringify writes it)."""
+    return json.dumps(value, separators=(",", ":"))
+
+
+async def choose(tab: cdp.Page, select: str, value: str) -> None:
+    """Pick `value` in the <select> `select`, as a person does (a change event follows)."""
+    await tab.evaluate(
+        f"(() => {{ const s = document.querySelector({js(select)}); s.value = {js(value)};"
+        " s.dispatchEvent(new Event('change', { bubbles: true })); return true; })()"
+    )
+
+
+async def rows_are(tab: cdp.Page, ids: list[str]) -> None:
+    await tab.wait_for(f"JSON.stringify({ROW_IDS}) === {js(js(ids))}")
+
+
+async def submit(client: httpx.AsyncClient, secret: str, body: dict[str, Any]) -> None:
+    reply = await client.post("/v1/invocations", json=body, headers=bearer(secret))
+    assert reply.status_code == 202, reply.text
+
+
+def fmt_bytes(n: int) -> str:
+    """What the page writes for `n` bytes."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.0f} MiB"
+
+
+def fmt_cores(millis: int) -> str:
+    return f"{millis / 1000:.1f} core" + ("" if millis == 1000 else "s")
+
+
+def echo(invocation_id: str) -> dict[str, Any]:
+    return builtin_request(invocation_id, name="echo", args={"text": invocation_id})
+
+
+async def test_a_clicked_invocation_opens_its_detail_in_view_beside_the_list(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    ids = [f"echo-{k:02}" for k in range(12)]
+    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+        for invocation_id in ids:
+            await submit(client, node.scheduler, echo(invocation_id))
+        await _ended(client, node.scheduler, ids[-1])
+        await open_page(tab, node)
+        await tab.wait_for(f"{ROW_IDS}.length === {len(ids)}")
+        chosen = ids[-1]  # the newest: the first row, with the whole list below it
+        await click_in_row(tab, chosen, "a.inv")  # its link, as the page has always had
+        await detail_shows(tab, chosen)
+        cell = f"document.querySelector('tr[data-id=\"{chosen}\"] td.command')"
+        seen = await tab.evaluate(
+            "(() => { const d = document.querySelector('#detail').getBoundingClientRect();"
+            " const f = document.querySelector('#detail-fields').getBoundingClientRect();"
+            f" const c = {cell}.getBoundingClientRect();"
+            " const hit = document.elementFromPoint(c.x + c.width / 2, c.y + c.height / 2);"
+            " return { top: d.top, bottom: d.bottom, left: d.left, right: d.right, fields: f.top,"
+            " height: innerHeight, width: innerWidth, focus: document.activeElement.id,"
+            " row: hit?.closest('tr')?.dataset.id ?? null, rowTop: c.top, rowBottom: c.bottom,"
+            f" selected: {cell}.closest('tr').classList.contains('selected') }}; }})()"
+        )
+        # The detail is where the user is looking: its top at the window's top, all of it
+        # inside the window, its fields showing; the row clicked is still in sight, not
+        # covered by the detail, and marked.
+        assert 0 <= seen["top"] <= seen["height"] / 4, seen
+        assert seen["bottom"] <= seen["height"] and 0 <= seen["left"] < seen["right"], seen
+        assert seen["right"] <= seen["width"] and seen["fields"] < seen["height"] / 2, seen
+        assert 0 <= seen["rowTop"] and seen["rowBottom"] <= seen["height"], seen
+        assert seen["row"] == chosen and seen["selected"], seen
+        assert seen["focus"] == "detail", seen  # a keyboard or screen-reader user is taken there
+        await shoot(tab, tmp_path, "detail-beside-the-list")
+        await tab.press("Escape", 27)
+        await tab.wait_for("document.querySelector('#detail').hidden")
+        # The focus goes back to the invocation's link in the list.
+        assert await tab.evaluate("document.activeElement.closest('tr')?.dataset.id") == chosen
+        # Anywhere on a row opens it too: here its command, not its link.
+        await click_in_row(tab, ids[0], "td.command")
+        await detail_shows(tab, ids[0])
+
+
+async def click_in_row(tab: cdp.Page, invocation_id: str, part: str) -> None:
+    """Scroll the row to the window's top and click the middle of its `part`, with the mouse."""
+    target = f"document.querySelector('tr[data-id={js(invocation_id)}] {part}')"
+    x, y = await tab.evaluate(
+        f"(() => {{ {target}.closest('tr').scrollIntoView({{ block: 'start' }});"
+        f" const r = {target}.getBoundingClientRect();"
+        " return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+    )
+    await tab.click(x, y)
+
+
+async def detail_shows(tab: cdp.Page, invocation_id: str) -> None:
+    await tab.wait_for(
+        "!document.querySelector('#detail').hidden"
+        f" && document.querySelector('#detail-id').textContent === {js(invocation_id)}"
+        " && document.querySelector('[data-field=exit_code]')?.textContent === '0'"
+    )
+
+
+async def test_the_invocation_list_pages_and_filters_by_state_with_end_times(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+        for k in range(12):
+            await submit(client, node.scheduler, echo(f"echo-{k:02}"))
+        await submit(
+            client, node.scheduler, builtin_request("broken", name="fail", labels={"team": "ml"})
+        )
+        await submit(client, node.scheduler, builtin_request("sleeper", args={"seconds": 60}))
+        await _ended(client, node.scheduler, "echo-11")
+        broken = await _ended(client, node.scheduler, "broken")
+        assert broken["state"] == "failed", broken
+        listed = await client.get("/v1/invocations", headers=bearer(node.scheduler))
+        newest_first = [inv["id"] for inv in listed.json()["invocations"]]
+        assert len(newest_first) == 14
+        await open_page(tab, node)
+        await rows_are(tab, newest_first)  # 25 a page: all of them, and no pager
+        assert await tab.evaluate("document.querySelector('#inv-pages').hidden")
+
+        # Ten a page: the first ten, and a way to the others.
+        await choose(tab, "#inv-limit", "10")
+        await rows_are(tab, newest_first[:10])
+        pager = "document.querySelector('#inv-pages')"
+        await tab.wait_for(f"!{pager}.hidden && !document.querySelector('#inv-next').disabled")
+        await tab.evaluate("document.querySelector('#inv-next').click(); true")
+        await rows_are(tab, newest_first[10:])
+        assert await tab.evaluate("document.querySelector('#inv-next').disabled")
+        assert await tab.evaluate("document.querySelector('#inv-page').textContent") == (
+            f"page 2 · 11{DASH}14"
+        )
+        await tab.evaluate(f"{pager}.scrollIntoView({{ block: 'end' }}); true")
+        await shoot(tab, tmp_path, "list-page-2")
+        await tab.evaluate("document.querySelector('#inv-prev').click(); true")
+        await rows_are(tab, newest_first[:10])
+
+        # The state filter narrows the list (through the node's ?state=).
+        await choose(tab, "#inv-state", "failed")
+        await rows_are(tab, ["broken"])
+        await tab.wait_for(f"{pager}.hidden")
+        await tab.evaluate("document.querySelector('#invocations').scrollIntoView(); true")
+        await shoot(tab, tmp_path, "list-filtered-failed")
+        await choose(tab, "#inv-state", "running")
+        await rows_are(tab, ["sleeper"])
+        await choose(tab, "#inv-state", "succeeded")
+        await rows_are(tab, [i for i in newest_first if i.startswith("echo-")][:10])
+        await choose(tab, "#inv-state", "")
+        await rows_are(tab, newest_first[:10])
+        # And by label (the node's ?label=); one it refuses is said, not guessed at.
+        label = "document.querySelector('#inv-label')"
+        change = "dispatchEvent(new Event('change', { bubbles: true }))"
+        await tab.evaluate(f"{label}.value = 'team=ml'; {label}.{change}; true")
+        await rows_are(tab, ["broken"])
+        await tab.evaluate(f"{label}.value = 'no equals sign'; {label}.{change}; true")
+        await tab.wait_for("document.querySelector('#inv-note').textContent.includes('label')")
+        await tab.evaluate(f"{label}.value = ''; {label}.{change}; true")
+        await rows_are(tab, newest_first[:10])
+        assert await tab.evaluate("document.querySelector('#inv-note').textContent") == ""
+
+        # Each row says when it ended (its ended_at, in local time), or a dash while it runs.
+        ended = await tab.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('#invocations tbody tr')].map((r) =>"
+            " [r.dataset.id, r.querySelector('td.ended time')?.getAttribute('datetime')"
+            " ?? r.querySelector('td.ended').textContent]))"
+        )
+    assert ended["sleeper"] == DASH, ended
+    assert ended["broken"] == broken["ended_at"], ended
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT.*Z", ended[i]) for i in newest_first[2:10]), ended
+
+
+async def test_the_devices_table_lists_mig_instances_under_their_gpu(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+        reply = await client.get("/v1/snapshot", headers=bearer(node.scheduler))
+        devices = reply.json()["devices"]
+        await open_page(tab, node)
+        rows = await tab.evaluate(
+            "[...document.querySelectorAll('#devices tbody tr')].map((r) => ({"
+            " id: r.dataset.device, parent: r.dataset.parent ?? null, text: r.innerText,"
+            " indent: r.querySelector('code').getBoundingClientRect().left }))"
+        )
+        await shoot(tab, tmp_path, "devices-with-mig-instances")
+        lanes = await tab.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('#lanes tbody tr')].map((r) =>"
+            " [r.dataset.lane, r.children[2].innerText]))"
+        )
+    expected = [
+        (m["mig_uuid"] if m else d["device_id"], d["device_id"] if m else None)
+        for d in devices
+        for m in (None, *d["mig_instances"])
+    ]
+    assert [(r["id"], r["parent"]) for r in rows] == expected, rows
+    migs = [m for d in devices for m in d["mig_instances"]]
+    assert len(migs) >= 2, "the simulated workstation has a GPU split into MIG instances"
+    by_id = {r["id"]: r for r in rows}
+    for d in (d for d in devices if d["mig_instances"]):
+        parent = by_id[d["device_id"]]
+        assert f"MIG: {len(d['mig_instances'])} instances" in parent["text"], parent
+        for m in d["mig_instances"]:
+            shown = by_id[m["mig_uuid"]]
+            assert f"MIG {m['profile']}" in shown["text"], shown
+            used = f"{fmt_bytes(m['memory_used_bytes'])} / {fmt_bytes(m['memory_total_bytes'])}"
+            assert used in shown["text"], shown
+            assert shown["indent"] > parent["indent"], (shown, parent)  # drawn under it
+    # A MIG lane names its instance and the GPU it is on.
+    mig_lanes = [text for text in lanes.values() if text.startswith("MIG-")]
+    assert len(mig_lanes) == len(migs), lanes
+    assert all("\non GPU-" in text for text in mig_lanes), lanes
+
+
+async def test_a_lane_an_invocation_holds_shows_busy_and_the_others_free(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    body = builtin_request(
+        "holder",
+        args={"seconds": 60},
+        requirement="gpu",
+        resources={"cpu_millis": 100, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": 2**30},
+    )
+    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+        await submit(client, node.scheduler, body)
+        with trio.fail_after(10):
+            while True:
+                reply = await client.get("/v1/invocations/holder", headers=bearer(node.scheduler))
+                status = reply.json()
+                if status["state"] == "running":
+                    break
+                await trio.sleep(0.05)
+        held = {lane["lane_id"] for lane in status["lanes"]}
+        assert held, status
+        snapshot = await get_snapshot(client, node.scheduler)
+        await open_page(tab, node)
+        state = (
+            "Object.fromEntries([...document.querySelectorAll('#lanes tbody tr')].map((r) =>"
+            " [r.dataset.lane, r.querySelector('.lane-state').innerText]))"
+        )
+        await tab.wait_for(f"Object.values({state}).some((t) => t.startsWith('busy'))")
+        shown = await tab.evaluate(state)
+        await tab.evaluate("document.querySelector('#lanes').scrollIntoView(); true")
+        await shoot(tab, tmp_path, "lanes-busy-and-free")
+        allocated = await tab.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('#capacity tbody tr[data-lane]')]"
+            ".map((r) => [r.dataset.lane, r.children[4].innerText]))"
+        )
+        # Once it ends, its lanes are free again (the page follows the node's events).
+        cancelled = await client.delete("/v1/invocations/holder", headers=bearer(node.scheduler))
+        assert cancelled.status_code == 200
+        await tab.wait_for(f"Object.values({state}).every((t) => t === 'free')")
+    assert set(shown) == {lane.lane_id for lane in snapshot.lanes}
+    for lane_id, text in shown.items():
+        if lane_id in held:
+            assert text.startswith("busy") and "1 running" in text and "holder" in text, text
+        else:
+            assert text == "free", (lane_id, text)
+    gpu_lanes = [lane["lane_id"] for lane in status["lanes"] if lane["vram_bytes"]]
+    assert gpu_lanes, status
+    for lane_id in gpu_lanes:
+        assert "1.0 GiB VRAM allocated" in shown[lane_id], shown[lane_id]
+        assert allocated[lane_id] == "1.0 GiB", allocated
+
+
+async def test_resources_are_shown_with_human_names_and_units(tmp_path: pathlib.Path) -> None:
+    browser = chromium()
+    body = builtin_request(
+        "sized",
+        name="echo",
+        args={"text": "hi"},
+        resources={"cpu_millis": 1000, "memory_bytes": 64 * 2**20},
+    )
+    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+        await submit(client, node.scheduler, body)
+        await _ended(client, node.scheduler, "sized")
+        capacity = (await client.get("/v1/snapshot", headers=bearer(node.scheduler))).json()[
+            "capacity"
+        ]
+        await open_page(tab, node, "&inv=sized")
+        resources = "document.querySelector('[data-field=resources]')?.textContent"
+        await tab.wait_for(f"{resources} && {ROW_IDS}.length === 1")
+        text = await tab.evaluate("document.body.innerText")
+        cells = await tab.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('#capacity tbody tr[data-resource]')]"
+            ".map((r) => [r.dataset.resource, [...r.children].map((c) => c.innerText)]))"
+        )
+        bars = await tab.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('#capacity tbody tr[data-resource]')]"
+            ".map((r) => [r.dataset.resource, r.querySelector('.bar').getAttribute('aria-label')]))"
+        )
+        detail = await tab.evaluate(resources)
+        await tab.evaluate("document.querySelector('#capacity').scrollIntoView(); true")
+        await shoot(tab, tmp_path, "human-units")
+    assert not RAW_NAME.findall(text), RAW_NAME.findall(text)  # no cpu_millis, memory_bytes
+    assert detail == "1.0 core · 64 MiB · 0 GPUs · 0 MiB VRAM", detail
+    fields = ("capacity", "reserved", "allocated", "allocatable")
+    cpu, memory, gpus = capacity["cpu_millis"], capacity["memory_bytes"], capacity["gpus"]
+    assert cells["cpu_millis"] == ["CPU", "", *(fmt_cores(cpu[f]) for f in fields)], cells
+    assert cells["memory_bytes"] == ["memory", "", *(fmt_bytes(memory[f]) for f in fields)]
+    plural = {n: f"{n} GPU" + ("" if n == 1 else "s") for n in (gpus[f] for f in fields)}
+    assert cells["gpus"] == ["GPUs", "", *(plural[gpus[f]] for f in fields)], cells
+    assert bars["memory_bytes"] == (
+        f"{fmt_bytes(memory['allocated'])} allocated and {fmt_bytes(memory['reserved'])}"
+        f" reserved of {fmt_bytes(memory['capacity'])}"
+    ), bars
+    assert "1.0 core" in cells["cpu_millis"], cells  # the node reserves one core
+
+
+async def test_sparklines_carry_their_scale_and_the_time_they_span(
+    tmp_path: pathlib.Path,
+) -> None:
+    browser = chromium()
+    sim = tmp_path / "sim.toml"
+    sim.write_text(LOADED)
+    # A probe each 0.2 s: the page's 120 samples span 24 s, the whole test.
+    argv = ("--sim-file", str(sim), "--health-interval", "0.2")
+    async with serving(tmp_path, *argv) as (node, client), cdp.page(browser, tmp_path / "p") as tab:
+        with trio.fail_after(15):  # samples from before the load (2 s in) and after it
+            while True:
+                reply = await client.get("/v1/devices/history", headers=bearer(node.scheduler))
+                (series,) = reply.json()["devices"]
+                power = [s["power_w"] for s in series["samples"]]
+                if power[:1] == [50.0] and power[-1:] == [200.0]:
+                    break
+                await trio.sleep(0.1)
+        await open_page(tab, node)
+        scales = (
+            f"Object.fromEntries([...document.querySelectorAll('tr[data-device={js(LOADED_GPU)}]"
+            " .metric')].map((m) => [m.dataset.field, [...m.querySelectorAll('.scale > span,"
+            " .window')].map((s) => s.textContent)]))"
+        )
+        await tab.wait_for(f"({scales}).power_w?.[0] === '200 W'")
+        shown = await tab.evaluate(scales)
+        visible = await tab.evaluate(
+            "[...document.querySelectorAll('#devices .scale')].every((s) =>"
+            " s.getBoundingClientRect().width > 0 && getComputedStyle(s).visibility === 'visible')"
+        )
+        await shoot(tab, tmp_path, "sparkline-scales")
+    window = r"last \d+ s"
+    # Utilization and memory run from 0 to their ceiling; the others from the lowest
+    # reading to the highest (one label where the reading held steady).
+    util, memory = shown["utilization_gpu_percent"], shown["memory_used_bytes"]
+    assert util[:2] == ["100 %", "0 %"] and re.fullmatch(window, util[2]), shown
+    assert memory[:2] == ["8.0 GiB", "0 MiB"] and re.fullmatch(window, memory[2]), shown
+    assert shown["power_w"][:2] == ["200 W", "50 W"], shown
+    temperature = shown["temperature_c"]
+    assert re.fullmatch(r"\d+ °C", temperature[0]) and re.fullmatch(window, temperature[-1])
+    assert visible

@@ -29,7 +29,9 @@ def _status(invocation_id: str, state: str, **fields: Any) -> dict[str, Any]:
     }
 
 
-def _node(seen: list[str], logs: dict[str, list[bytes]], **ended: Any) -> Any:
+def _node(
+    seen: list[str], logs: dict[str, list[bytes]], state: str = "succeeded", **ended: Any
+) -> Any:
     waits = [0]
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -47,7 +49,7 @@ def _node(seen: list[str], logs: dict[str, list[bytes]], **ended: Any) -> Any:
                 return httpx.Response(
                     200, json={"ended": [], "pending": asked["ids"], "unknown": []}
                 )
-            done = _status(asked["ids"][0], "succeeded", **ended)
+            done = _status(asked["ids"][0], state, **ended)
             return httpx.Response(200, json={"ended": [done], "pending": [], "unknown": []})
         if request.url.path.endswith("/logs"):
             stream = request.url.params["stream"]
@@ -143,3 +145,64 @@ async def test_a_refused_cwd_tells_how_to_send_none(
     assert (lines[1:] == [api.run_client.CWD_HINT]) is hinted, lines
     if hinted:
         assert "--cwd none sends none" in lines[1] and "--guest-cwd-roots" in lines[1]
+
+
+def _going_away(seen: list[str], cuts: int | None) -> Any:
+    """A node that takes the submission, then fails `cuts` requests in a row (every
+    one when None: it is gone) before it answers as `_node` does."""
+    answer = _node(seen, {"stdout": [b"out\n"], "stderr": []})
+    failed = [0]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/invocations" and (cuts is None or failed[0] < cuts):
+            failed[0] += 1
+            seen.append(f"cut {request.method} {request.url.path}")
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        return answer(request)  # type: ignore[no-any-return]
+
+    return handler
+
+
+async def test_requests_cut_for_a_moment_are_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api.run_client, "RESUME_SECONDS", 0)
+    seen: list[str] = []
+    _patch(monkeypatch, _going_away(seen, cuts=api.run_client.RESUMES))
+    out, err = io.BytesIO(), io.BytesIO()
+    with trio.fail_after(5):
+        request = InvocationRequest(id="run-5", work=ProcessWork(argv=["true"]))
+        code = await follow_command("http://node", "s", request, out=out, err=err)
+    assert code == 0, err.getvalue()
+    assert out.getvalue() == b"out\n" and b"went away" not in err.getvalue()
+    assert any(s.startswith("cut ") for s in seen)
+
+
+async def test_a_node_gone_for_good_is_one_line_and_exit_status_69(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(api.run_client, "RESUME_SECONDS", 0)
+    seen: list[str] = []
+    _patch(monkeypatch, _going_away(seen, cuts=None))
+    err = io.BytesIO()
+    with trio.fail_after(5):
+        request = InvocationRequest(id="run-6", work=ProcessWork(argv=["sleep", "60"]))
+        code = await follow_command("http://node", "s", request, out=io.BytesIO(), err=err)
+    assert code == api.run_client.NODE_GONE_EXIT == 69
+    assert err.getvalue().decode().splitlines() == [
+        "run-6: submitted",
+        "litegraph-node run: the node at http://node went away before run-6 ended;"
+        " how it ended is unknown",
+    ]
+
+
+async def test_an_invocation_the_nodes_shutdown_cancelled_is_said_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[str] = []
+    handler = _node(seen, {"stdout": [], "stderr": []}, state="cancelled", reason="shutdown")
+    _patch(monkeypatch, handler)
+    err = io.BytesIO()
+    with trio.fail_after(5):
+        request = InvocationRequest(id="run-7", work=ProcessWork(argv=["sleep", "60"]))
+        code = await follow_command("http://node", "s", request, out=io.BytesIO(), err=err)
+    assert code == 130
+    assert err.getvalue().decode().splitlines()[-1] == "run-7: cancelled (shutdown)"

@@ -115,6 +115,27 @@ async def test_not_supported_fields_are_absent() -> None:
     await inv.source.aclose()
 
 
+async def test_energy_pcie_replays_and_remapped_row_counts_are_read() -> None:
+    fake = two_gpus()
+    a, b = fake.gpus
+    a.energy_mj, a.pcie_replays, a.remapped_rows = 42_000_000, 3, (5, 1, 0, 0)
+    b.unsupported.add("nvmlDeviceGetTotalEnergyConsumption")
+    b.errors["nvmlDeviceGetPcieReplayCounter"] = pynvml.NVML_ERROR_NO_PERMISSION
+    inv = await nvml_inventory(fake)
+    first = {p.device_id: p for p in inv.probes}
+    pa, pb = first["GPU-aaaa"], first["GPU-bbbb"]
+    assert (pa.total_energy_mj, pa.pcie_replay_count) == (42_000_000, 3)
+    assert (pa.remapped_rows_correctable, pa.remapped_rows_uncorrectable) == (5, 1)
+    assert pa.remapped_rows_failed is False and pa.remapped_rows_pending is False
+    # Not supported: absent; refused: absent with the reason; the rest is read.
+    assert pb.status is ProbeStatus.OK and pb.total_energy_mj is None
+    assert pb.pcie_replay_count is None
+    assert pb.unread == ("pcie_replay_count: Insufficient Permissions",)
+    assert pb.remapped_rows_correctable == 0 and pb.temperature_c == 40.0
+    assert inv.source is not None
+    await inv.source.aclose()
+
+
 async def test_init_failure_leaves_no_lanes_and_a_reason() -> None:
     fake = FakeNvml([FakeGpu(uuid="GPU-dddd")], init_error=NVMLError_LibraryNotFound())
     for mode in ("auto", "nvml"):

@@ -187,3 +187,25 @@ def test_events_per_set_with_instance_ids_and_wait_faults() -> None:
         fake.nvmlEventSetWait_v2(event_set, 0)
     fake.reset_gpu("GPU-b")  # a reset drops the registration
     assert fake.push_xid("GPU-b", 79) == 0
+
+
+def test_energy_pcie_replays_and_remapped_rows_are_the_gpus_alone() -> None:
+    fake = gpu_and_mig()
+    fake.nvmlInit()
+    a, b = fake.gpus
+    a.energy_mj, a.pcie_replays, a.remapped_rows = 9_000, 4, (2, 1, 0, 0)
+    assert fake.nvmlDeviceGetTotalEnergyConsumption(a) == 9_000  # millijoules, an int
+    assert fake.nvmlDeviceGetPcieReplayCounter(a) == 4
+    assert fake.nvmlDeviceGetRemappedRows(a) == (2, 1, 0, 0)  # a tuple of four, as pynvml
+    mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(b, 0)
+    for call in (
+        fake.nvmlDeviceGetTotalEnergyConsumption,
+        fake.nvmlDeviceGetPcieReplayCounter,
+        fake.nvmlDeviceGetRemappedRows,
+    ):
+        assert call(b) is not None  # the GPU in MIG mode answers for itself
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            call(mig)  # an instance's handle does not have them
+    a.unsupported.add("nvmlDeviceGetTotalEnergyConsumption")  # before Volta
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        fake.nvmlDeviceGetTotalEnergyConsumption(a)

@@ -348,6 +348,22 @@ async def test_a_child_ignoring_sigterm_is_killed_after_the_grace() -> None:
     assert session_members(run.pid) == []
 
 
+async def test_what_a_cancelled_child_prints_in_its_grace_is_kept() -> None:
+    # Its output is read while the group ends: a TERM handler's last words are kept.
+    run = Run()
+    script = "trap 'echo cleaned; exit 0' TERM; echo ready; while :; do sleep 0.05; done"
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, spec("sh", "-c", script))
+            with trio.fail_after(5):
+                while run.stdout.text() != "ready\n":  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            scope.cancel()
+    assert scope.cancelled_caught
+    assert run.stdout.text() == "ready\ncleaned\n"
+    assert session_members(run.pid) == []
+
+
 async def test_a_deadline_ends_the_group_the_same_way() -> None:
     run = Run()
     with pytest.raises(trio.TooSlowError):
