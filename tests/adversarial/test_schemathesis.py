@@ -39,7 +39,8 @@ from api.openapi import openapi_document
 from tests.adversarial.fixtures import descendants, subprocess_node
 from tests.helpers import clean_env
 
-pytestmark = pytest.mark.hostile("api")
+# One worker runs the whole file: the count of cases sent is kept per process.
+pytestmark = [pytest.mark.hostile("api"), pytest.mark.xdist_group("schemathesis")]
 
 
 @schemathesis.check
