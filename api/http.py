@@ -27,7 +27,6 @@ __all__ = [
 
 ANY_OPERATOR = frozenset({Role.scheduler, Role.admin})
 ADMIN = frozenset({Role.admin})
-LANE_ID = re.compile(r"^lane_[0-9a-f]{16}$")
 
 
 async def decode_body(wire_type: Any) -> Any:

@@ -14,7 +14,7 @@ from quart_trio.wrappers import TrioRequest
 
 from api.context import NodeContext
 from api.errors import ApiError
-from api.http import ADMIN, LANE_ID, check_identifier, decode_body, ready_supervisor, require_role
+from api.http import ADMIN, check_identifier, decode_body, ready_supervisor, require_role
 from api.peer import peer_uid
 from api.responses import json_response
 from capabilities import LaneOp, RefreshTooEarly, TokenRefusal, TokenRefused
@@ -31,6 +31,7 @@ from supervisor.lane_work import (
     Upload,
     lane_op,
 )
+from supervisor.wire import LANE_ID
 
 __all__ = ["LaneRequest", "register_lane_routes"]
 

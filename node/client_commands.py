@@ -14,14 +14,19 @@ from typing import Any, TextIO
 import msgspec
 
 from api.auth import Role
-from api.http import LANE_ID
 from api.wire import NodeStatus
 from machine.snapshot import NodeSnapshot
 from node.client import Target, request
 from node.flags import FlagError
 from node.status_view import invocation_table, status_text
 from supervisor.listing import MAX_LIST_LIMIT
-from supervisor.wire import INVOCATION_ID, InvocationList, InvocationState, InvocationStatus
+from supervisor.wire import (
+    INVOCATION_ID,
+    LANE_ID,
+    InvocationList,
+    InvocationState,
+    InvocationStatus,
+)
 
 __all__ = ["CLIENT_COMMANDS", "check_arguments"]
 

@@ -1,15 +1,24 @@
 """Trio supervision of invocations and lane owners."""
 
-from supervisor.admission import AdmissionRefused
-from supervisor.core import Supervisor, UnknownInvocation
-from supervisor.lane_owner import LaneWorkError
-from supervisor.wire import (
-    InvocationRequest,
-    InvocationState,
-    InvocationStatus,
-    NodeEvent,
-    SubmitResponse,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from supervisor.admission import AdmissionRefused
+    from supervisor.core import (
+        Supervisor,
+        UnknownInvocation,
+    )
+    from supervisor.lane_owner import LaneWorkError
+    from supervisor.wire import (
+        InvocationRequest,
+        InvocationState,
+        InvocationStatus,
+        NodeEvent,
+        SubmitResponse,
+    )
 
 __all__ = [
     "AdmissionRefused",
@@ -22,3 +31,23 @@ __all__ = [
     "Supervisor",
     "UnknownInvocation",
 ]
+
+# Imported on first use, so a command that needs one module of the package does not
+# pay for all of them (the CLI starts in a fraction of the time).
+_WHERE = {
+    "AdmissionRefused": "supervisor.admission",
+    "Supervisor": "supervisor.core",
+    "UnknownInvocation": "supervisor.core",
+    "LaneWorkError": "supervisor.lane_owner",
+    "InvocationRequest": "supervisor.wire",
+    "InvocationState": "supervisor.wire",
+    "InvocationStatus": "supervisor.wire",
+    "NodeEvent": "supervisor.wire",
+    "SubmitResponse": "supervisor.wire",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)

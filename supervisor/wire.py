@@ -19,6 +19,7 @@ __all__ = [
     "INVOCATION_ID_PATTERN",
     "LABEL_KEY",
     "LABEL_KEY_PATTERN",
+    "LANE_ID",
     "MAX_BATCH",
     "MAX_COMMAND_ARGS",
     "MAX_COMMAND_CHARS",
@@ -49,6 +50,8 @@ __all__ = [
 # Ids reach paths, logs and cgroup names: a tight alphabet, checked before anything else.
 INVOCATION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 INVOCATION_ID = re.compile(INVOCATION_ID_PATTERN)
+# A lane's id as `machine.lanes` makes it.
+LANE_ID = re.compile(r"^lane_[0-9a-f]{16}$")
 InvocationId = Annotated[str, msgspec.Meta(pattern=INVOCATION_ID_PATTERN)]
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _Arg = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
