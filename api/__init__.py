@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from machine.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from api.app import create_app
@@ -26,8 +27,4 @@ _WHERE = {
     "ErrorEnvelope": "api.errors",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -6,8 +6,9 @@ packages. `supervisor` and `api` build on it; the application in `node` wires ev
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from machine.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from machine.ledger import Ledger
@@ -36,8 +37,4 @@ _WHERE = {
     "NodeSnapshot": "machine.snapshot",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+__getattr__ = lazy_exports(__name__, _WHERE)
