@@ -39,7 +39,7 @@ from api.openapi import openapi_document
 from tests.adversarial.fixtures import descendants, subprocess_node
 from tests.helpers import clean_env
 
-# One worker runs the whole file: the count of cases sent is kept per process.
+# One worker runs the whole file, against one daemon.
 pytestmark = [pytest.mark.hostile("api"), pytest.mark.xdist_group("schemathesis")]
 
 
@@ -64,7 +64,7 @@ CHECKS = [
 # positive_data_acceptance is left out on purpose: a valid submission may be refused
 # for capacity (409), load (429) or a reused id (409), all documented statuses.
 assert positive_data_acceptance not in CHECKS
-SENT = [0]
+SENT = [0]  # cases sent by this process: each conformance test checks it sent some
 MAX_EXAMPLES = int(os.environ.get("SCHEMATHESIS_EXAMPLES", "25"))
 
 
@@ -150,22 +150,17 @@ def test_api_conforms_to_its_openapi_document(
         SENT[0] += 1
         case.call_and_validate(base_url=url, headers=operator, checks=CHECKS, timeout=10)
 
+    sent = SENT[0]
     try:
         run()
     except hypothesis.errors.Unsatisfiable:
         # No parameters and no body: there is nothing to make invalid.
         assert mode is GenerationMode.NEGATIVE, operation.path
+        return
+    assert SENT[0] > sent, f"{operation.path}: no case was sent"  # never vacuous
 
 
 def test_openapi_served_is_the_generated_document(daemon: tuple[str, dict[str, str]]) -> None:
     url, _ = daemon
     served = httpx.get(url + "/openapi.json", timeout=5).json()
     assert served == json.loads(json.dumps(openapi_document()))
-
-
-def test_schemathesis_sent_enough_cases() -> None:
-    """Runs after the conformance cases (file order): they were not vacuous."""
-    if SENT[0] == 0:
-        pytest.skip("the conformance cases were not selected")
-    assert SENT[0] >= 10 * len(OPERATIONS), SENT[0]
-    print(f"schemathesis cases sent: {SENT[0]}")
