@@ -179,6 +179,9 @@ class Journal:
         # Why the room kept for the journal is not kept (a full disk), until it is again.
         self.reserve_problem: str | None = None
         self._take_reserve()
+        # Endings the journal holds that are in the index too (a compaction added them
+        # and then failed): the next one does not add them again.
+        self._indexed: dict[str, EndedRecord] = {}
 
     @classmethod
     def open(
@@ -415,7 +418,7 @@ class Journal:
 
     def room(self) -> int:
         """How many more ended ids the window can hold (what the journal holds counts)."""
-        return self.index.room() - len(self._state.ended)
+        return self.index.room() - (len(self._state.ended) - len(self._indexed))
 
     def expire(self) -> int:
         """Forget ids whose window has passed; raises sqlite3.Error."""
@@ -455,6 +458,7 @@ class Journal:
         old_fd, self._fd = self._fd, new_fd
         if moved:
             self._state.ended.clear()  # durable in the index, and gone from the journal
+            self._indexed.clear()
         self._records = len(records)
         self._size = os.fstat(new_fd).st_size
         self._partial = False  # the old file, partial tail and all, is gone
@@ -466,11 +470,14 @@ class Journal:
         take them now: the compacted journal keeps them, and the next compaction retries."""
         if not self._state.ended:
             return False
+        # Those a compaction that failed later already added are not added again.
+        fresh = [r for iid, r in self._state.ended.items() if self._indexed.get(iid) is not r]
         try:
-            self.index.add(self._state.ended.values())
+            self.index.add(fresh)
         except sqlite3.Error as exc:
             log.error("index %s: endings stay in the journal for now: %s", self.index.path, exc)
             return False
+        self._indexed.update((r.invocation_id, r) for r in fresh)
         return True
 
     def close(self) -> None:

@@ -112,3 +112,29 @@ def test_expiry_forgets_only_what_left_the_window(tmp_path: Path) -> None:
     clock.now += 41
     assert index.expire() == 1 and index.count == 0 and index.expire() == 0
     index.close()
+
+
+def test_a_compaction_that_fails_after_the_index_took_the_endings_adds_none_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk fails every compaction's copy: retried each second, they must not
+    count the same endings again (the count would fill the window with nothing)."""
+    journal, _ = Journal.open(tmp_path)
+    journal.record_ended(ended("kept"))
+    real_open = os.open
+
+    def no_copy(path: object, *args: object, **kw: object) -> int:
+        if str(path).endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_copy)
+    for _ in range(3):
+        with pytest.raises(OSError):
+            journal.compact()
+    assert journal.index.count == 1 and journal.room() == journal.index.max_ids - 1
+    monkeypatch.setattr(os, "open", real_open)
+    journal.compact()
+    assert journal.index.count == 1 and journal.room() == journal.index.max_ids - 1
+    assert journal.ended("kept") is not None
+    journal.close()
