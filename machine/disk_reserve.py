@@ -34,7 +34,8 @@ class DiskReserve:
         """Give the room back to the filesystem; whether there was any to give."""
         self.held = False
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO planted here is refused (not regular), not waited on.
+            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
         try:
@@ -51,17 +52,22 @@ class DiskReserve:
         keeps no room: the reserve is never held."""
         if self.size <= 0:
             return
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = os.open(self.path, flags, 0o600)
         try:
             check_safe(self.path, os.fstat(fd))
             try:
+                free = os.statvfs(self.path.parent)
+                if free.f_bavail * free.f_frsize + os.fstat(fd).st_blocks * 512 < self.size:
+                    # Not there yet: asked before allocating, which would take every
+                    # free block from other writers until it failed.
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 os.posix_fallocate(fd, 0, self.size)
                 os.fsync(fd)
             except OSError as exc:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, 0)  # what it got is free again for the journal
-                if exc.errno == errno.ENOSPC:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     free = os.statvfs(self.path.parent)
                     raise OSError(
                         errno.ENOSPC,

@@ -25,6 +25,7 @@ Writes (`add`, `expire`) come from one thread at a time (the journal's writer);
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
 import threading
@@ -35,13 +36,23 @@ from pathlib import Path
 from machine.journal_errors import JournalError, check_safe
 from machine.journal_records import EndedRecord
 
-__all__ = ["INDEX_FILENAME", "MAX_IDS", "WINDOW_S", "EndedIndex", "IndexUnusable"]
+__all__ = [
+    "EXPIRE_BATCH",
+    "INDEX_FILENAME",
+    "MAX_IDS",
+    "WINDOW_S",
+    "EndedIndex",
+    "IndexUnusable",
+]
 
 INDEX_FILENAME = "ended.sqlite3"
 WINDOW_S = 24 * 3600.0
 # About 600 bytes an id on disk (its outcome is most of it; up to ~7 KiB with 16 full
 # labels and a 1 KiB command line): 1,000,000 is ~0.6 GB, at most ~7 GB.
 MAX_IDS = 1_000_000
+# Rows forgotten per expiry call at most: a longer prefix (a window lowered at a
+# restart, or a fast node) goes over several calls.
+EXPIRE_BATCH = 10_000
 _BUSY_MS = 5000  # a reader never blocks a WAL writer; this bounds a stray lock
 
 # Rows are added in rowid order (a new rowid is the largest yet) and node time only
@@ -71,6 +82,18 @@ class IndexUnusable(JournalError):
             f"index of ended invocations {path} is unusable ({problem}): inspect it, or "
             "move it aside (the ids it held may then run again)"
         )
+
+
+# A full disk or failing I/O is the disk's trouble, not a damaged index: the file is
+# fine, and moving it aside would forget every id it holds.
+_DISK_ERRORS = {"SQLITE_FULL": errno.ENOSPC, "SQLITE_CANTOPEN": errno.EACCES}
+
+
+def _open_error(path: Path, exc: sqlite3.DatabaseError) -> OSError | IndexUnusable:
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name in _DISK_ERRORS or name.startswith("SQLITE_IOERR"):
+        return OSError(_DISK_ERRORS.get(name, errno.EIO), f"{exc} ({name})", str(path))
+    return IndexUnusable(path, exc)
 
 
 def _record(row: tuple[str, str, bytes, float]) -> EndedRecord:
@@ -113,9 +136,11 @@ class EndedIndex:
         self._closed = False
         (count,) = writer.execute("SELECT count(*) FROM ended").fetchone()
         self.count: int = count
+        # The newest row has the largest node time (rows are added in node-time order):
+        # read by rowid, never by a scan of the table.
         row = writer.execute(
             "SELECT max(coalesce((SELECT node_time FROM clock), 0),"
-            " coalesce((SELECT max(node_at) FROM ended), 0))"
+            " coalesce((SELECT node_at FROM ended ORDER BY rowid DESC LIMIT 1), 0))"
         ).fetchone()
         self._base: float = row[0]
         self._opened_at = clock()
@@ -144,22 +169,16 @@ class EndedIndex:
         finally:
             os.close(fd)
         synchronous = "FULL" if durable else "OFF"
+        opened: list[sqlite3.Connection] = []
         try:
-            writer = _connect(path, synchronous=synchronous)
+            opened.append(_connect(path, synchronous=synchronous))
+            opened[0].executescript(_SCHEMA)
+            opened.append(_connect(path, synchronous=synchronous))
+            return cls(path, *opened, window_s=window_s, max_ids=max_ids, clock=clock)
         except sqlite3.DatabaseError as exc:
-            raise IndexUnusable(path, exc) from None
-        try:
-            writer.executescript(_SCHEMA)
-            reader = _connect(path, synchronous=synchronous)
-        except sqlite3.DatabaseError as exc:
-            writer.close()
-            raise IndexUnusable(path, exc) from None
-        try:
-            return cls(path, writer, reader, window_s=window_s, max_ids=max_ids, clock=clock)
-        except sqlite3.DatabaseError as exc:
-            writer.close()
-            reader.close()
-            raise IndexUnusable(path, exc) from None
+            for db in opened:
+                db.close()
+            raise _open_error(path, exc) from None
 
     def node_time(self) -> float:
         """Seconds this node has run, summed over its runs (as far as they were kept)."""
@@ -175,7 +194,13 @@ class EndedIndex:
         db = self._writer
         db.execute("BEGIN IMMEDIATE")
         try:
-            cursor = db.executemany(
+            # Ids held already (added before a crash, or ended again) are replaced, not
+            # counted twice.
+            held = sum(
+                db.execute("SELECT count(*) FROM ended WHERE id = ?", (row[0],)).fetchone()[0]
+                for row in rows
+            )
+            db.executemany(
                 "INSERT OR REPLACE INTO ended (id, digest, outcome, ended_at, node_at)"
                 " VALUES (?, ?, ?, ?, ?)",
                 rows,
@@ -185,7 +210,7 @@ class EndedIndex:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
             raise
-        self.count += cursor.rowcount  # a replaced id counts twice until the next open
+        self.count += len({row[0] for row in rows}) - held
 
     def get(self, invocation_id: str) -> EndedRecord | None:
         """How `invocation_id` ended, if it ended inside the window."""
@@ -215,10 +240,12 @@ class EndedIndex:
         db = self._writer
         db.execute("BEGIN IMMEDIATE")
         try:
+            # At most EXPIRE_BATCH a call: a long prefix (a window lowered at a restart)
+            # goes over several calls, never in one transaction that holds up the writer.
             cursor = db.execute(
-                "DELETE FROM ended WHERE rowid < coalesce((SELECT rowid FROM ended"
-                " WHERE node_at >= ? ORDER BY rowid LIMIT 1), (SELECT max(rowid) + 1 FROM ended))",
-                (now - self.window_s,),
+                "DELETE FROM ended WHERE rowid IN (SELECT rowid FROM ended"
+                " WHERE node_at < ? ORDER BY rowid LIMIT ?)",
+                (now - self.window_s, EXPIRE_BATCH),
             )
             db.execute(
                 "INSERT INTO clock (one, node_time) VALUES (1, ?)"
@@ -230,8 +257,6 @@ class EndedIndex:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
             raise
-        # Not recounted (a scan of up to max_ids rows, holding up the journal's writer):
-        # a replaced id over-counts, which only refuses early, until the next start.
         self.count = max(0, self.count - cursor.rowcount)
         return cursor.rowcount
 
@@ -244,8 +269,8 @@ class EndedIndex:
             row = self._reader.execute(
                 "SELECT node_at FROM ended ORDER BY rowid LIMIT 1"
             ).fetchone()
-        if row is None:
-            return 1.0
+        if row is None:  # the room is held by endings not moved here yet: a window away
+            return self.window_s
         (oldest,) = row
         return max(1.0, float(oldest) + self.window_s - self.node_time())
 

@@ -223,6 +223,9 @@ class Journal:
             if path.is_symlink():
                 raise JournalUnsafe(UnsafeReason.SYMLINK, path) from exc
             raise
+        # Closed again if the open fails half-way.
+        journal_mark: JournalMark | None = None
+        index: EndedIndex | None = None
         try:
             check_safe(path, os.fstat(fd))
             with open(fd, "rb", closefd=False) as reader:
@@ -246,10 +249,14 @@ class Journal:
             index = EndedIndex.open(
                 state_dir, window_s=window_s, max_ids=max_ids, durable=durable, clock=clock
             )
+            older = [r for r in index.newest(listed) if r.invocation_id not in state.ended]
         except BaseException:
             os.close(fd)
+            if index is not None:
+                index.close()
+            if journal_mark is not None:
+                journal_mark.close()
             raise
-        older = [r for r in index.newest(listed) if r.invocation_id not in state.ended]
         newest = [*older, *state.ended.values()][-listed:] if listed else []
         replay = JournalReplay(
             reservations=dict(state.reservations),
@@ -333,7 +340,7 @@ class Journal:
             if self._durable:
                 os.fsync(self._fd)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or not self._reserve.held:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._reserve.held:
                 raise
             self._cut_back()
             if self._partial:
@@ -457,8 +464,9 @@ class Journal:
             raise
         old_fd, self._fd = self._fd, new_fd
         if moved:
-            self._state.ended.clear()  # durable in the index, and gone from the journal
+            # `_indexed` first: a read of room() between the two then counts low, not high.
             self._indexed.clear()
+            self._state.ended.clear()  # durable in the index, and gone from the journal
         self._records = len(records)
         self._size = os.fstat(new_fd).st_size
         self._partial = False  # the old file, partial tail and all, is gone
@@ -468,8 +476,8 @@ class Journal:
     def _move_ended(self) -> bool:
         """Add the endings the journal holds to the index (durably); False if it cannot
         take them now: the compacted journal keeps them, and the next compaction retries."""
-        if not self._state.ended:
-            return False
+        if not self._state.ended or self.reserve_problem is not None:
+            return False  # on a full disk a failed add would still grow the index's log
         # Those a compaction that failed later already added are not added again.
         fresh = [r for iid, r in self._state.ended.items() if self._indexed.get(iid) is not r]
         try:

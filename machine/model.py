@@ -30,6 +30,7 @@ import trio
 from machine.cgroups import Cgroups
 from machine.devnodes import PROC, check_mig_caps
 from machine.discovery import discover
+from machine.ended_index import EXPIRE_BATCH
 from machine.group_commit import GroupCommit
 from machine.health import DEFAULT_FATAL_XIDS, HealthTracker, HealthTransition
 from machine.inventory import CpuInfo, Inventory, MemoryInfo
@@ -352,7 +353,9 @@ class Machine:
         while True:
             await trio.sleep(interval)
             try:
-                await self._journal(self.journal.expire)
+                # A batch a call, so grants and endings are written in between.
+                while await self._journal(self.journal.expire) >= EXPIRE_BATCH:
+                    pass
             except (sqlite3.Error, trio.TooSlowError) as exc:
                 log.warning("index %s: expiry failed, retried: %s", self.journal.index.path, exc)
 

@@ -105,7 +105,7 @@ class Supervisor:
             retain_ended=retain_ended,
             on_change=on_change,
             slots=trio.Semaphore(max_running),
-            history=History(machine.replay.ended.values()),
+            history=History(machine.replay.ended.values(), seconds=machine.journal.index.window_s),
         )
         self.max_running = max_running
         self.lane_host_start_wait = lane_host_start_wait

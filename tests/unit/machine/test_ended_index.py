@@ -138,3 +138,28 @@ def test_a_compaction_that_fails_after_the_index_took_the_endings_adds_none_twic
     assert journal.index.count == 1 and journal.room() == journal.index.max_ids - 1
     assert journal.ended("kept") is not None
     journal.close()
+
+
+def test_endings_added_again_after_a_crash_are_not_counted_twice(tmp_path: Path) -> None:
+    """A crash between the index taking the endings and the journal dropping them: the
+    next start replays them and adds them again; the count stays the number held."""
+    index = EndedIndex.open(tmp_path, max_ids=3)
+    index.add([ended("a"), ended("b")])
+    index.add([ended("a"), ended("b"), ended("c")])
+    assert index.count == 3 and index.room() == 0
+    index.close()
+    index = EndedIndex.open(tmp_path, max_ids=3)
+    assert index.count == 3
+    index.close()
+
+
+def test_a_journal_that_fails_to_open_leaves_no_file_open(tmp_path: Path) -> None:
+    journal, _ = Journal.open(tmp_path)
+    journal.close()
+    (tmp_path / INDEX_FILENAME).write_bytes(b"not a database, " * 512)
+    (tmp_path / (INDEX_FILENAME + "-wal")).unlink(missing_ok=True)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(IndexUnusable):
+            Journal.open(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == before
