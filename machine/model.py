@@ -324,8 +324,12 @@ class Machine:
         await self.group_commit.commit(record, shield=True)
 
     def ended_invocation(self, invocation_id: str) -> EndedRecord | None:
-        """How `invocation_id` ended, if the journal still remembers it."""
-        return self.journal.ended(invocation_id)
+        """How `invocation_id` ended, if the journal still remembers it. Raises
+        JournalError when the index of ended invocations cannot be read."""
+        try:
+            return self.journal.ended(invocation_id)
+        except sqlite3.Error as exc:
+            raise JournalError(f"index {self.journal.index.path}: {exc}") from exc
 
     def journal_problem(self) -> str | None:
         """Why the journal cannot write (its last write failed) or has no room kept for

@@ -53,7 +53,12 @@ class Submission:
         existing = state.live.get(request.id) or state.ended.get(request.id)
         if existing is not None:
             return await self._resubmitted(existing, request)
-        record = state.machine.ended_invocation(request.id)
+        try:
+            record = state.machine.ended_invocation(request.id)
+        except JournalError as exc:  # whether the id ended cannot be told: never run it
+            raise AdmissionRefused(
+                503, "journal_unavailable", str(exc), retry_after=JOURNAL_RETRY_INTERVAL
+            ) from None
         if record is not None:  # ended before a restart, or forgotten from memory since
             if record.request_digest != request_digest(request):
                 raise id_conflict(request.id)
