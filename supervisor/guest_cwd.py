@@ -6,7 +6,8 @@ folder for the check and at the node's state for the mount. So the name is
 opened once (O_PATH) and everything is decided on the opened folder: where it
 really is (`/proc/self/fd/N`), what it is and what lies above it (device and
 inode, walked up with `..`), whether the guest's uid could reach it; bubblewrap
-then binds `/proc/self/fd/N` of that very descriptor, which nothing can swap.
+then binds that very descriptor (`--ro-bind-fd`), which nothing can swap, and closes
+it: the guest holds no handle outside its sandbox.
 
 A cwd is refused when it is `/`, covers or lies inside a place of the sandbox's
 own (a host folder there would replace it) or a place of the node's secrets, and,

@@ -110,12 +110,13 @@ def uid_drop(setpriv: str, uid: int) -> list[str]:
 
 
 def userns_entry(nsenter: str, userns_fd: int, uid: int) -> list[str]:
-    """nsenter's command line that enters the user namespace open as `userns_fd`
-    (inherited), drops every supplementary group, takes `uid` and the gid of that
+    """nsenter's command line that enters the user namespace the daemon holds open as
+    `userns_fd` (through the daemon's own /proc entry: nothing is inherited, so no
+    guest holds it), drops every supplementary group, takes `uid` and the gid of that
     number there, then execs the rest (which starts with no capability)."""
     return [
         nsenter,
-        f"--user=/proc/self/fd/{userns_fd}",
+        f"--user=/proc/{os.getpid()}/fd/{userns_fd}",
         f"--setuid={uid}",
         f"--setgid={uid}",
         "--",
@@ -232,21 +233,17 @@ def plan(
         hook = _preexec(affinity, rlimit_as, join() if join else None, uid)
         return Launch([*GATE_SHELL, *argv], dict(env), preexec_fn=hook)
     setpriv = find_setpriv() if uid is not None and sandbox.userns_fd is None else None
-    # The launch's own copies of the cwd's, the tokens' and the user namespace's
-    # descriptors, closed with it; the caller's stay.
+    # The launch's own copies of the cwd's and the tokens' descriptors, closed with
+    # it; the caller's stay. bwrap closes both in the child once it has used them.
     cwd_fd = None if sandbox.cwd_fd is None else os.dup(sandbox.cwd_fd)
     fds: tuple[int, ...] = () if cwd_fd is None else (cwd_fd,)
     try:
         token_fd = None if sandbox.token_fd is None else os.dup(sandbox.token_fd)
         fds += () if token_fd is None else (token_fd,)
-        userns_fd = None if sandbox.userns_fd is None else os.dup(sandbox.userns_fd)
-        fds += () if userns_fd is None else (userns_fd,)
-        sandbox = dataclasses.replace(
-            sandbox, cwd_fd=cwd_fd, token_fd=token_fd, userns_fd=userns_fd
-        )
+        sandbox = dataclasses.replace(sandbox, cwd_fd=cwd_fd, token_fd=token_fd)
         drop: list[str] | None = None
-        if userns_fd is not None:
-            drop = _userns_entry(sandbox.bwrap, userns_fd, uid)
+        if sandbox.userns_fd is not None:
+            drop = _userns_entry(sandbox.bwrap, sandbox.userns_fd, uid)
         elif (uid is None or setpriv is not None) and bwrap_takes_env(sandbox.bwrap):
             drop = [] if setpriv is None or uid is None else uid_drop(setpriv, uid)
         if drop is not None:

@@ -170,10 +170,11 @@ def bwrap_argv(
     if spec.cwd is not None:
         if spec.cwd_fd is None:
             raise ValueError("a cwd is bound from its opened descriptor only")
-        # The descriptor's magic link leads to the opened folder whatever its name
-        # now points at; the child inherits the descriptor (Launch.pass_fds).
-        bind = "--bind" if spec.cwd_writable else "--ro-bind"
-        args += [bind, f"/proc/self/fd/{spec.cwd_fd}", spec.cwd]
+        # Bound from the opened descriptor itself, whatever its name now points at;
+        # bwrap closes it once bound, so the guest never holds a handle outside its
+        # sandbox (one it could walk up the host's folders from).
+        bind = "--bind-fd" if spec.cwd_writable else "--ro-bind-fd"
+        args += [bind, str(spec.cwd_fd), spec.cwd]
         bound.append(Path(spec.cwd))
     args += _masks(spec.masked, bound)
     args += ["--chdir", spec.cwd or GUEST_TMP]

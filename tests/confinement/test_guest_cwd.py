@@ -212,3 +212,26 @@ async def test_dev_lets_a_guest_start_in_the_folder_it_was_started_in_and_below(
             assert (found["state"], found["stdout_tail"]) == ("succeeded", f"{cwd}\n"), found
         message = await _refused_cwd(node, elsewhere)
         assert f"lies under none of this node's cwd roots ({started}; " in message
+
+
+# Every descriptor the guest holds beyond 0-2, and where each leads.
+OPEN_FDS = r"""
+import os
+fds = "/proc/self/fd"
+held = sorted(int(n) for n in os.listdir(fds) if int(n) > 2)
+print([(n, os.readlink(f"{fds}/{n}")) for n in held if os.path.exists(f"{fds}/{n}")])
+"""
+
+
+async def test_a_guest_holds_no_descriptor_of_its_cwd_or_anything_outside_its_sandbox(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The finding: bwrap bound the cwd from /proc/self/fd/N and the guest inherited N,
+    an O_PATH handle outside the sandbox: from it the guest walked up the host's folders
+    (in dev without subordinate uids, to the node's auth.json) and wrote through a
+    read-only cwd."""
+    cwd = guest_cwd()
+    cwd.chmod(0o755)
+    async with confined_node(tmp_path) as node:
+        found = await run_to_end(node, python(OPEN_FDS, cwd=str(cwd)))
+    assert (found["state"], found["stdout_tail"]) == ("succeeded", "[]\n"), found

@@ -28,17 +28,17 @@ def test_the_private_tmp_is_a_tmpfs_of_the_memory_grant() -> None:
     assert "--size" not in _argv()  # no grant given: the kernel's default size
 
 
-def _bind_of(argv: list[str], source: str) -> list[str]:
-    at = argv.index(source)
-    return argv[at - 1 : at + 2]
+def _bind_of(argv: list[str], option: str) -> list[str]:
+    at = argv.index(option)
+    return argv[at : at + 3]
 
 
 def test_a_cwd_is_bound_read_only_unless_writable() -> None:
     fields: dict[str, Any] = {"cwd": "/srv/work", "cwd_fd": 5}
     ro = _argv(**fields)
-    assert _bind_of(ro, "/proc/self/fd/5") == ["--ro-bind", "/proc/self/fd/5", "/srv/work"]
+    assert _bind_of(ro, "--ro-bind-fd") == ["--ro-bind-fd", "5", "/srv/work"]
     rw = _argv(cwd_writable=True, **fields)
-    assert _bind_of(rw, "/proc/self/fd/5") == ["--bind", "/proc/self/fd/5", "/srv/work"]
+    assert _bind_of(rw, "--bind-fd") == ["--bind-fd", "5", "/srv/work"]
 
 
 def _session(policy: GuestPolicy, cwd: pathlib.Path | None) -> Any:
