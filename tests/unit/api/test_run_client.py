@@ -206,3 +206,39 @@ async def test_an_invocation_the_nodes_shutdown_cancelled_is_said_with_its_reaso
         code = await follow_command("http://node", "s", request, out=io.BytesIO(), err=err)
     assert code == 130
     assert err.getvalue().decode().splitlines()[-1] == "run-7: cancelled (shutdown)"
+
+
+async def test_an_ending_the_node_told_before_its_logs_were_cut_is_said_not_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node stops: it answers the wait (cancelled, shutdown), then the log streams
+    are cut for good. `run` says how it ended, and that output was lost, never that how
+    it ended is unknown."""
+    monkeypatch.setattr(api.run_client, "RESUME_SECONDS", 0)
+    answered = trio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/invocations":
+            body = json.loads(request.content)
+            return httpx.Response(
+                202, json={"id": body["id"], "state": "queued", "lanes": [], "tokens": {}}
+            )
+        if request.url.path == "/v1/invocations:wait":
+            done = _status("run-8", "cancelled", reason="shutdown")
+            answered.set()
+            return httpx.Response(200, json={"ended": [done], "pending": [], "unknown": []})
+        if request.url.path.endswith("/logs"):
+            await answered.wait()
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        return httpx.Response(200, json=_status("run-8", "cancelled", reason="shutdown"))
+
+    _patch(monkeypatch, handler)
+    err = io.BytesIO()
+    with trio.fail_after(5):
+        request = InvocationRequest(id="run-8", work=ProcessWork(argv=["sleep", "60"]))
+        code = await follow_command("http://node", "s", request, out=io.BytesIO(), err=err)
+    said = err.getvalue().decode().splitlines()
+    assert code == 130, said
+    assert said[-1] == "run-8: cancelled (shutdown)"
+    assert any(line.startswith("run-8: the rest of its output was lost") for line in said)
+    assert not any("unknown" in line for line in said)
