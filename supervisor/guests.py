@@ -105,8 +105,11 @@ class GuestPolicy:
 
     def check_cwd(self, cwd: str) -> None:
         """Refuse (`InvalidProcessRequest`) a cwd no guest may get; at admission, before
-        a uid is chosen. The guest's start opens and checks it again, with its uid."""
-        fd, _ = open_cwd(cwd, self.protected(), None, self.allowed_roots())
+        a uid is chosen: where guests get uids of their own, one a guest uid could not
+        reach (a 0700 or 0750 home) is refused now, with 422, not when it starts. The
+        guest's start opens and checks it again, with its uid."""
+        uid = None if self.uids is None else self.uids.any_guest
+        fd, _ = open_cwd(cwd, self.protected(), uid, self.allowed_roots())
         os.close(fd)
 
     def host_writable(self, real: Path) -> bool:

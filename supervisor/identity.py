@@ -202,6 +202,12 @@ class UidPool:
         self._covered = 0  # turns the saved point still covers
 
     @property
+    def any_guest(self) -> int:
+        """A uid of the range, to judge at admission what a guest's uid may reach
+        (through the permissions every other user has: no guest owns the folders)."""
+        return self._uids[0]
+
+    @property
     def in_use(self) -> frozenset[int]:
         return frozenset(self._in_use)
 

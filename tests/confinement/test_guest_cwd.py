@@ -235,3 +235,22 @@ async def test_a_guest_holds_no_descriptor_of_its_cwd_or_anything_outside_its_sa
     async with confined_node(tmp_path) as node:
         found = await run_to_end(node, python(OPEN_FDS, cwd=str(cwd)))
     assert (found["state"], found["stdout_tail"]) == ("succeeded", "[]\n"), found
+
+
+async def test_a_cwd_no_guest_uid_may_reach_is_refused_at_admission_not_at_its_start(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The finding: a cwd under a 0700 (or 0750) home was accepted (202), and the
+    guest then failed at its start, so `run` could not fall back to the guest's /tmp.
+    Guests have uids of their own: what no guest uid may reach is refused at once."""
+    home = guest_cwd() / "home"
+    work = home / "project"
+    work.mkdir(parents=True, mode=0o755)
+    work.chmod(0o755)
+    home.chmod(0o700)
+    async with confined_node(tmp_path) as node:
+        message = await _refused_cwd(node, work)
+        assert message.endswith("a folder above it does not let the guest's uid through"), message
+        home.chmod(0o711)  # others may pass through: the guest starts there
+        found = await run_to_end(node, python(WHERE, cwd=str(work)))
+        assert (found["state"], found["stdout_tail"]) == ("succeeded", f"{work}\n"), found
