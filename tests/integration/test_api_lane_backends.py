@@ -7,10 +7,8 @@ daemon's own."""
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import pathlib
 import stat
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,6 +19,7 @@ from node.daemon import LANE_HOST_CACHE
 from supervisor.lane_host import LaneHost
 from tests.api_fixtures import bearer, running_daemon
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
+from tests.integration.test_api_lane_hosts import _until
 from tests.integration.test_api_lanes import gpu_request, submit
 
 GiB = 1 << 30
@@ -29,17 +28,6 @@ needs_no_cupy = pytest.mark.skipif(
     importlib.util.find_spec("cupy") is not None,
     reason="CuPy is installed here: a lane host would not lack it",
 )
-
-
-async def _until(check: Callable[[], Any], seconds: float = 30.0) -> Any:
-    with trio.fail_after(seconds):
-        while True:
-            found = check()
-            if inspect.isawaitable(found):
-                found = await found
-            if found:
-                return found
-            await trio.sleep(0.05)
 
 
 async def _snapshot(client: httpx.AsyncClient, admin: str) -> dict[str, Any]:
