@@ -24,7 +24,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-run: $(STAMP) system-run
+# Every confined guest's first exec (supervisor/gate.py); without a C compiler guests
+# start through sh and setpriv instead.
+GATE := $(BIN)/litegraph-gate
+$(GATE): native/litegraph-gate.c $(STAMP)
+	sh scripts/build-gate $(GATE)
+
+run: $(STAMP) $(GATE) system-run
 	$(BIN)/litegraph-node dev
 
 test: $(STAMP) lint typecheck pytest
@@ -36,10 +42,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES) bench
 
-pytest: $(STAMP) system-test
+pytest: $(STAMP) $(GATE) system-test
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(GATE)
 	$(BIN)/python -m bench.run_all
 
 contracts: $(STAMP)
@@ -47,7 +53,7 @@ contracts: $(STAMP)
 
 # On a machine with an NVIDIA GPU: one PASS/FAIL line per check in certify-results/.
 # DEVICES=sim is the dry run; WHEELS=dir installs offline from a folder of wheels.
-certify-gpu: $(STAMP) system-run
+certify-gpu: $(STAMP) $(GATE) system-run
 	sh scripts/certify-gpu
 
 clean:

@@ -10,6 +10,7 @@ dcgm-exporter has none): prometheus_client's are turned off for the process.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import platform
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from machine.snapshot import Amounts, NodeSnapshot
 from machine.vram_drift import vram_drift
 from supervisor.wire import InvocationState
 
-__all__ = ["CONTENT_TYPE", "NodeMetrics"]
+__all__ = ["CONTENT_TYPE", "NodeMetrics", "SandboxPoolFigures"]
 
 # prometheus_client adds a `<name>_created` gauge to every counter and histogram
 # child; the flag is the process's and is read at each scrape.
@@ -46,6 +47,14 @@ _KINDS = {
     "allocatable": "allocatable",
 }
 _ACTIVE = (InvocationState.queued, InvocationState.running)
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxPoolFigures:
+    pooled: int
+    direct: int
+    fill_failures: int
+    ready: int
 
 
 def _version() -> str:
@@ -88,6 +97,30 @@ class _StateCollector(Collector):
                 if state not in _ACTIVE and state is not InvocationState.rejected:
                     ended.add_metric([state.value], totals.get(state, 0))
             yield ended
+        if self._metrics.sandbox_pool is not None:
+            yield from _sandbox_pool(self._metrics.sandbox_pool())
+
+
+def _sandbox_pool(figures: SandboxPoolFigures) -> Iterator[Metric]:
+    starts = CounterMetricFamily(
+        "litegraph_guest_starts",
+        "Confined guests started since the daemon started: in a sandbox made ahead"
+        " (ready) or made at the start (direct)",
+        labels=["path"],
+    )
+    starts.add_metric(["ready"], figures.pooled)
+    starts.add_metric(["direct"], figures.direct)
+    yield starts
+    yield CounterMetricFamily(
+        "litegraph_sandbox_pool_fill_failures",
+        "Ready sandboxes that could not be made (no uid, no cgroup, a failed start)",
+        value=figures.fill_failures,
+    )
+    yield GaugeMetricFamily(
+        "litegraph_sandbox_pool_ready",
+        "Sandboxes made ahead and waiting for a guest now",
+        value=figures.ready,
+    )
 
 
 def _build_info() -> Metric:
@@ -174,6 +207,7 @@ class NodeMetrics:
         self.snapshot: Callable[[], NodeSnapshot] | None = None
         self.invocation_counts: Callable[[], dict[InvocationState, int]] | None = None
         self.ended_totals: Callable[[], dict[InvocationState, int]] | None = None
+        self.sandbox_pool: Callable[[], SandboxPoolFigures] | None = None
         self.admission_refusals = Counter(
             "litegraph_admission_refusals",
             "Submissions refused at admission, by reason",

@@ -34,9 +34,10 @@ run() {
     fi
 }
 
-# bubblewrap is every guest's sandbox; python3-venv makes the venv.
+# bubblewrap is every guest's sandbox; python3-venv makes the venv; gcc and libc6-dev
+# build litegraph-gate, every guest's first exec.
 run apt-get update
-run apt-get install -y --no-install-recommends bubblewrap python3-venv
+run apt-get install -y --no-install-recommends bubblewrap python3-venv gcc libc6-dev
 if [ "$dry_run" = 1 ] || ! getent group litegraph >/dev/null; then
     run groupadd --system litegraph
 fi
@@ -46,6 +47,9 @@ if [ "$dry_run" = 1 ] || ! getent passwd litegraph >/dev/null; then
 fi
 run python3 -m venv /opt/litegraph-node
 run /opt/litegraph-node/bin/pip install --upgrade "$source"
+if [ -f "$source/native/litegraph-gate.c" ]; then
+    run sh "$source/scripts/build-gate" /opt/litegraph-node/bin/litegraph-gate
+fi
 run install -m 0644 "$here/litegraph-node.service" /etc/systemd/system/litegraph-node.service
 run systemctl daemon-reload
 run systemctl enable litegraph-node.service

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import msgspec
 import trio
 
-from machine.cgroups import Cgroups
+from machine.cgroups import Cgroups, pool_cgroup_prefix
 from machine.devnodes import PROC, check_mig_caps
 from machine.discovery import discover
 from machine.ended_index import EXPIRE_BATCH
@@ -242,10 +242,14 @@ class Machine:
             journal_timeout=journal_timeout,
         )
         if cgroups is not None:
-            # Each invocation's cgroup is named by its reservation: kill what the dead
-            # daemon's invocations left there (setsid escapees included) before reconcile
-            # ends their process groups. Other names may be another daemon's: untouched.
-            machine.removed_cgroups = await cgroups.remove_leftovers(only=set(replay.reservations))
+            # Each invocation's cgroup is named by its reservation, each ready sandbox's
+            # by this state folder's pool prefix: kill what the dead daemon left there
+            # (setsid escapees included) before reconcile ends its process groups.
+            # Other names may be another daemon's: untouched.
+            pooled = pool_cgroup_prefix(state_dir)
+            ours = set(replay.reservations)
+            ours.update(name for name in cgroups.leftovers() if name.startswith(pooled))
+            machine.removed_cgroups = await cgroups.remove_leftovers(only=ours)
         machine.recovery = await reconcile(journal, ledger=ledger, grace=reconcile_grace)
         return machine
 

@@ -84,6 +84,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     health_interval: float
     shutdown_grace: float
     kill_grace: float
+    sandbox_pool: int
     state_lock_wait: float
     accept_journal_loss: bool
     idempotency_window: float
@@ -249,6 +250,7 @@ _CHECKS: dict[str, Any] = {
     "health_interval": _positive,
     "shutdown_grace": _non_negative,
     "kill_grace": _non_negative,
+    "sandbox_pool": lambda v: int(_non_negative(v)),
     "state_lock_wait": _non_negative,
     "idempotency_window": _positive,
     "idempotency_max_ids": lambda v: int(_positive(v)),

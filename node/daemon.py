@@ -27,7 +27,7 @@ from api.app import create_app
 from api.auth import Authenticator, AuthError, AuthFile, load_or_create_auth
 from api.context import NodeContext
 from api.device_history import DeviceHistory
-from api.metrics import NodeMetrics
+from api.metrics import NodeMetrics, SandboxPoolFigures
 from api.server import serve_http
 from api.settings import HttpSettings
 from api.snapshot_cache import SnapshotCache
@@ -55,6 +55,7 @@ from supervisor.core import Supervisor
 from supervisor.events import EventHub
 from supervisor.lane_host import lane_host_factory
 from supervisor.logstore import LogLimits, LogStore, LogStoreError
+from supervisor.sandbox_pool import SandboxPool
 from supervisor.wire import InvocationState, NodeEvent
 
 if TYPE_CHECKING:
@@ -72,6 +73,11 @@ EVENT_SUBSCRIBERS = 32
 EVENT_BUFFER = 256
 # Live (invocation, lane) tokens; admission holds far fewer (max-queued + max-running).
 LIVE_TOKENS = 65536
+
+
+def _pool_figures(pool: SandboxPool) -> SandboxPoolFigures:
+    counts = pool.counts
+    return SandboxPoolFigures(counts.pooled, counts.direct, counts.fill_failures, pool.ready)
 
 
 class StartupError(Exception):
@@ -332,6 +338,7 @@ class Daemon:
             max_kernel_seconds=config.max_kernel_seconds,
             node_url=self.url,
             kill_grace=config.kill_grace,
+            sandbox_pool=config.sandbox_pool,
             on_change=snapshots.mark_changed,
             guests=guests.policy,
             logs=logs,
@@ -351,6 +358,8 @@ class Daemon:
         self.context.metrics.snapshot = snapshots.current
         self.context.metrics.invocation_counts = supervisor.counts
         self.context.metrics.ended_totals = supervisor.ended_totals
+        if supervisor.pool is not None:
+            self.context.metrics.sandbox_pool = functools.partial(_pool_figures, supervisor.pool)
         self.readiness.check("drained", supervisor.drain_reason)
         self.readiness.done("supervisor")
         nursery.start_soon(machine.watch_journal)

@@ -33,6 +33,7 @@ import trio
 from api.unix_server import bind_unix_socket
 from machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from node.config import Config
+from supervisor.gate import find_gate
 from supervisor.guests import GuestPolicy, remove_stale_tokens
 from supervisor.identity import (
     UID_CURSOR_FILENAME,
@@ -154,6 +155,7 @@ async def _sandbox_works(
     uid: int | None,
     userns: GuestUserns | None = None,
     node_socket: pathlib.Path | None = None,
+    gate: pathlib.Path | None = None,
 ) -> str | None:
     """Run `true` in a sandbox the way a guest starts (its gate, setpriv, nsenter into
     the guests' user namespace or the in-child uid drop, bwrap); None when it works,
@@ -167,6 +169,7 @@ async def _sandbox_works(
         tmp_bytes=2**20,
         node_socket=node_socket,
         userns_fd=None if userns is None else userns.fd,
+        gate=gate,
     )
     try:
         with trio.fail_after(SELF_TEST_SECONDS):
@@ -200,6 +203,7 @@ async def _usable_sandbox(
     problems: list[str],
     userns: GuestUserns | None = None,
     node_socket: pathlib.Path | None = None,
+    gate: pathlib.Path | None = None,
 ) -> pathlib.Path | None:
     """The sandbox tool once a run of it as a guest uid worked; else None and why in `problems`."""
     try:
@@ -213,7 +217,7 @@ async def _usable_sandbox(
         problems.append(f"guest uid cursor not saved: {exc}")
         return bwrap
     try:
-        failure = await _sandbox_works(bwrap, probe_uid, userns, node_socket)
+        failure = await _sandbox_works(bwrap, probe_uid, userns, node_socket, gate)
     finally:
         if uids is not None and probe_uid is not None:
             uids.release(probe_uid)
@@ -389,13 +393,14 @@ async def open_guest_setup(
         tried: list[str] = []
         # A guest under a subordinate uid must also reach the node's socket: bound here.
         socket_path = None if userns is None else run_dir / SOCKET_NAME
-        bwrap = await _usable_sandbox(config.sandbox_tool, uids, tried, userns, socket_path)
+        gate = await trio.to_thread.run_sync(find_gate)
+        bwrap = await _usable_sandbox(config.sandbox_tool, uids, tried, userns, socket_path, gate)
         if tried and userns is not None:
             # Not with a subordinate uid: guests share the daemon's, if the sandbox works so.
             shared = "a guest could not start under a subordinate uid: " + "; ".join(tried)
             userns.close()
             uids, userns, tried = None, None, []
-            bwrap = await _usable_sandbox(config.sandbox_tool, None, tried)
+            bwrap = await _usable_sandbox(config.sandbox_tool, None, tried, gate=gate)
         problems += tried
         if userns is not None:
             notes.append(_own_uids_note(userns.ids))
@@ -432,6 +437,7 @@ async def open_guest_setup(
         cwd_roots=_cwd_roots(config, writable, notes),
         host_network=config.guest_host_network,
         userns=userns,
+        gate=gate,
     )
     if config.guest_host_network:
         notes.append(

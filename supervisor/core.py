@@ -35,6 +35,7 @@ from supervisor.lane_work import Download, LaneDevice, LaneJob, LaneWorkReply
 from supervisor.listing import ListQuery
 from supervisor.logstore import LogStore
 from supervisor.lookup import Lookup, UnknownInvocation
+from supervisor.sandbox_pool import SandboxPool
 from supervisor.state import Shared, SupervisorState
 from supervisor.submission import Submission
 from supervisor.wire import (
@@ -65,6 +66,7 @@ class Supervisor:
     accepting = Shared[bool]()
     drained = Shared[bool]()
     owners = Shared[dict[str, LaneOwner]]()
+    pool = Shared[SandboxPool | None]()
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class Supervisor:
         guests: GuestPolicy | None = None,
         logs: LogStore | None = None,
         on_lane_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
+        sandbox_pool: int = 0,
     ) -> None:
         self._state = state = SupervisorState(
             machine=machine,
@@ -107,6 +110,15 @@ class Supervisor:
             slots=trio.Semaphore(max_running),
             history=History(machine.replay.ended.values(), seconds=machine.journal.index.window_s),
         )
+        policy = state.guests
+        if sandbox_pool > 0 and policy.bwrap is not None and policy.gate is not None:
+            state.pool = SandboxPool(
+                size=sandbox_pool,
+                uids=policy.uids,
+                cgroups=policy.cgroups,
+                state_dir=policy.state_dir,
+                keep_uids=max_running,
+            )
         self.max_running = max_running
         self.lane_host_start_wait = lane_host_start_wait
         self._live = state.live  # the same table, never rebound (tests look into it)
@@ -146,6 +158,8 @@ class Supervisor:
                 state.nursery = nursery
                 for owner in state.owners.values():
                     nursery.start_soon(owner.run)
+                if state.pool is not None:
+                    nursery.start_soon(state.pool.run)
                 await self._endings.remember_restart_endings()
                 # Ready once every lane's host has answered its hello (or failed to, and
                 # is being restarted: lane_hosts_problem says so); each start is bounded.

@@ -46,6 +46,7 @@ class Endings:
             kill_grace=state.kill_grace,
             guests=state.guests,
             charges=state.charges,
+            pool=state.pool,
         )
 
     def _run_env(self) -> RunEnv:

@@ -33,7 +33,14 @@ from supervisor.sandbox import GUEST_TMP, NODE_SOCKET, TOKEN_FILE, SandboxSpec
 from supervisor.subuids import GuestUserns
 from supervisor.wire import GuestNetwork
 
-__all__ = ["GuestPolicy", "GuestSession", "GuestsRefused", "guest_session", "remove_stale_tokens"]
+__all__ = [
+    "GuestPolicy",
+    "GuestSession",
+    "GuestsRefused",
+    "adopt_uid",
+    "guest_session",
+    "remove_stale_tokens",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,8 @@ class GuestPolicy:
     # A daemon that is not root: the user namespace its subordinate uids are mapped in,
     # entered by each guest to take its uid from `uids` (`supervisor/subuids.py`).
     userns: GuestUserns | None = None
+    # litegraph-gate, where it was built and runs here (`supervisor/gate.py`).
+    gate: Path | None = None
 
     @classmethod
     def unconfined(cls, state_dir: Path) -> GuestPolicy:
@@ -216,9 +225,10 @@ def guest_session(
     delivery: contextlib.AbstractContextManager[Path | int] = (
         _token_file(tokens, uid, policy.run_dir) if policy.bwrap is None else _token_data(tokens)
     )
+    session: GuestSession | None = None
     try:
         with _opened_cwd(policy, cwd, uid) as folder, delivery as token_path:
-            yield _session(
+            session = _session(
                 policy,
                 isolation,
                 lanes,
@@ -230,12 +240,23 @@ def guest_session(
                 memory_bytes,
                 network,
             )
+            yield session
     except ProcessStuck:
         stuck = True  # something still runs under the uid: never hand it to another guest
         raise
     finally:
+        if session is not None:
+            uid = session.uid  # a ready sandbox's, where the guest started in one
         if uid is not None and policy.uids is not None and not stuck:
             policy.uids.release(uid)
+
+
+def adopt_uid(policy: GuestPolicy, guest: GuestSession, uid: int | None) -> None:
+    """The guest runs under `uid` (a ready sandbox's, now the guest's to give back):
+    the one chosen for it goes back at once, unused (nothing ran under it)."""
+    chosen, guest.uid = guest.uid, uid
+    if chosen is not None and chosen != uid and policy.uids is not None:
+        policy.uids.release(chosen)
 
 
 @contextlib.contextmanager
@@ -306,6 +327,7 @@ def _session(
         masked=policy.secrets(),
         tmp_bytes=memory_bytes,
         userns_fd=None if policy.userns is None or uid is None else policy.userns.fd,
+        gate=policy.gate,
     )
     return GuestSession(
         uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max, network=network

@@ -211,6 +211,11 @@ class UidPool:
     def in_use(self) -> frozenset[int]:
         return frozenset(self._in_use)
 
+    @property
+    def available(self) -> int:
+        """How many uids no guest holds now."""
+        return len(self._uids) - len(self._in_use)
+
     def allocate(self) -> int:
         if len(self._in_use) >= len(self._uids):
             raise UidsExhausted(f"all {len(self._uids)} guest uids are in use")

@@ -14,6 +14,7 @@ import os
 import trio
 
 from lanehost.protocol import HEADER, FrameReader, Reply, decode_reply, frame_length
+from supervisor.pipe_writes import write_all
 
 __all__ = ["HostPipes"]
 
@@ -46,13 +47,7 @@ class HostPipes:
 
     async def send(self, data: bytes | memoryview) -> None:
         """Write it all; a pipe with room takes a small frame in one write, no wait."""
-        fd = self.to_host
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(fd)
+        await write_all(self.to_host, data)
 
     async def _read_exact(self, n: int) -> bytearray | memoryview:
         reader = self.reader

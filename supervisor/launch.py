@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from machine.cgroups import InvocationCgroup
+from supervisor.gate import gate_argv
 from supervisor.identity import become
 from supervisor.sandbox import SandboxSpec, SandboxUnavailable, bwrap_argv
 
@@ -232,7 +233,9 @@ def plan(
     if sandbox is None:
         hook = _preexec(affinity, rlimit_as, join() if join else None, uid)
         return Launch([*GATE_SHELL, *argv], dict(env), preexec_fn=hook)
-    setpriv = find_setpriv() if uid is not None and sandbox.userns_fd is None else None
+    gate = sandbox.gate
+    own_drop = uid is not None and sandbox.userns_fd is None
+    setpriv = find_setpriv() if own_drop and gate is None else None
     # The launch's own copies of the cwd's and the tokens' descriptors, closed with
     # it; the caller's stay. bwrap closes both in the child once it has used them.
     cwd_fd = None if sandbox.cwd_fd is None else os.dup(sandbox.cwd_fd)
@@ -241,16 +244,27 @@ def plan(
         token_fd = None if sandbox.token_fd is None else os.dup(sandbox.token_fd)
         fds += () if token_fd is None else (token_fd,)
         sandbox = dataclasses.replace(sandbox, cwd_fd=cwd_fd, token_fd=token_fd)
+        # The gate: litegraph-gate (taking the uid itself where nothing else does),
+        # else the gate shell; then what takes the uid, if anything else does.
+        held = (
+            list(GATE_SHELL)
+            if gate is None
+            else gate_argv(gate, uid if own_drop else None, keep_stdin=sandbox.stage)
+        )
         drop: list[str] | None = None
         if sandbox.userns_fd is not None:
             drop = _userns_entry(sandbox.bwrap, sandbox.userns_fd, uid)
-        elif (uid is None or setpriv is not None) and bwrap_takes_env(sandbox.bwrap):
+        elif (not own_drop or gate is not None or setpriv is not None) and bwrap_takes_env(
+            sandbox.bwrap
+        ):
             drop = [] if setpriv is None or uid is None else uid_drop(setpriv, uid)
         if drop is not None:
             env_fd = _env_fd(env)
             fds = (env_fd, *fds)
             command = bwrap_argv(sandbox, argv, env_fd=env_fd)
-            return Launch([*GATE_SHELL, *drop, *command], {}, place=place, pass_fds=fds)
+            return Launch([*held, *drop, *command], {}, place=place, pass_fds=fds)
+        if sandbox.stage:
+            raise SandboxUnavailable("a pooled sandbox needs a bwrap with --clearenv")
         hook = _preexec(affinity, rlimit_as, join() if join else None, uid)
         # bwrap reads one byte from fd 0 before it runs the guest.
         command = bwrap_argv(sandbox, argv, block_fd=0)

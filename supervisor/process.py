@@ -23,21 +23,22 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import trio
 
 from machine.cgroups import Cgroups, CgroupUsage, InvocationCgroup
 from machine.proc import process_start_ticks
 from machine.procgroup import terminate_group, terminate_sandbox
-from supervisor.launch import Launch, plan
+from supervisor.gate import stage_message
 from supervisor.output import OutputRing, Sink, pump
+from supervisor.pipe_writes import write_all
 from supervisor.process_cgroup import (
     CGROUP_THREAD,
     SYSTEM_CGROUPS,
     ConfinementFailed,
     end_cgroup,
-    memory_plan,
+    prepare_launch,
     resolve_cgroups,
     watch_oom,
 )
@@ -50,6 +51,9 @@ from supervisor.process_validation import (
     validate_spec,
 )
 from supervisor.spawn import Child, spawn
+
+if TYPE_CHECKING:
+    from supervisor.sandbox_pool import ReadySandbox
 
 __all__ = [
     "ENV_ALLOW_LIST",
@@ -122,63 +126,15 @@ async def _pump_both(
             nursery.start_soon(pump, proc.stderr, stderr, err_sink)
 
 
-def _prepare(
+async def _start(
     spec: ProcessSpec, cgroups: Cgroups | None, env: Mapping[str, str]
-) -> tuple[InvocationCgroup | None, Launch]:
-    """The cgroup (made here) and how the child starts; blocking, for the cgroup thread."""
-    cgroup, rlimit_as = memory_plan(spec, cgroups)
-    try:
-        launch = plan(
-            spec.argv,
-            env=env,
-            sandbox=spec.sandbox,
-            uid=spec.uid,
-            cgroup=cgroup,
-            rlimit_as=rlimit_as,
-            affinity=spec.cpu_affinity,
-        )
-    except BaseException:
-        if cgroup is not None:
-            cgroup.finish_if_empty()  # nothing joined it yet
-        raise
-    return cgroup, launch
-
-
-async def run_process(
-    spec: ProcessSpec,
-    *,
-    stdout: OutputRing,
-    stderr: OutputRing,
-    on_started: Callable[[int, int | None], Awaitable[None]],
-    kill_grace: float = 5.0,
-    cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
-    parent_env: Mapping[str, str] | None = None,
-    on_usage: Callable[[CgroupUsage], None] | None = None,
-    sinks: tuple[Sink, Sink] | None = None,
-    on_cgroup: Callable[[InvocationCgroup], None] | None = None,
-    before_cgroup_end: Callable[[], Awaitable[None]] | None = None,
-) -> int:
-    """Run `spec` to the end and return its exit code (negative: killed by that signal).
-
-    `on_started(pid, start_ticks)` is awaited right after spawn and before the
-    argv runs (the child waits for it); (pid, start_ticks) identifies the
-    process even after pid reuse. If it raises, the child is killed without
-    ever running the argv. `cgroups=None` never uses cgroups; `parent_env`
-    defaults to os.environ. `sinks` (stdout's, stderr's) see every chunk of output
-    as it comes (the invocation's log files). `on_usage` gets the cgroup's own counters (CPU time,
-    peak memory, OOM kills, refused forks) once everything in it has ended.
-    `on_cgroup` learns of the cgroup once it is made (others may join it: the
-    invocation's lane hosts), and `before_cgroup_end` is awaited once the guest's
-    group has ended, before the cgroup is emptied, read and removed.
-    """
-    validate_spec(spec)
-    env = build_environment(spec, os.environ if parent_env is None else parent_env)
-    cgroups = resolve_cgroups(cgroups)
+) -> tuple[InvocationCgroup | None, Child, int]:
+    """The cgroup and the child waiting at its gate, and the gate's write end."""
     # mkdir and the limit writes cost milliseconds of kernel time: not on the event
     # loop. Never lost to a cancel (the job completes; spawn's failure path below
     # removes the cgroup).
     cgroup, launch = await CGROUP_THREAD.run(
-        functools.partial(_prepare, spec, cgroups, env), shield=True
+        functools.partial(prepare_launch, spec, cgroups, env), shield=True
     )
     gate_read, gate_write = os.pipe()
     try:
@@ -202,6 +158,71 @@ async def run_process(
     finally:
         os.close(gate_read)
         launch.close()
+    return cgroup, proc, gate_write
+
+
+def _tokens(spec: ProcessSpec) -> bytes:
+    """The guest's tokens, from the sealed memfd its direct start would have bound."""
+    fd = None if spec.sandbox is None else spec.sandbox.token_fd
+    if fd is None:
+        return b""
+    return os.pread(fd, os.fstat(fd).st_size, 0)
+
+
+async def _send_all(fd: int, data: bytes) -> None:
+    """Write `data` to the pipe `fd` without blocking the event loop (a stage's message
+    may be larger than the pipe holds)."""
+    if len(data) <= 1:
+        os.write(fd, data)
+        return
+    os.set_blocking(fd, False)
+    await write_all(fd, data)
+
+
+async def run_process(
+    spec: ProcessSpec,
+    *,
+    stdout: OutputRing,
+    stderr: OutputRing,
+    on_started: Callable[[int, int | None], Awaitable[None]],
+    kill_grace: float = 5.0,
+    cgroups: Cgroups | Literal["system"] | None = SYSTEM_CGROUPS,
+    parent_env: Mapping[str, str] | None = None,
+    on_usage: Callable[[CgroupUsage], None] | None = None,
+    sinks: tuple[Sink, Sink] | None = None,
+    on_cgroup: Callable[[InvocationCgroup], None] | None = None,
+    before_cgroup_end: Callable[[], Awaitable[None]] | None = None,
+    ready: ReadySandbox | None = None,
+) -> int:
+    """Run `spec` to the end and return its exit code (negative: killed by that signal).
+
+    `on_started(pid, start_ticks)` is awaited right after spawn and before the
+    argv runs (the child waits for it); (pid, start_ticks) identifies the
+    process even after pid reuse. If it raises, the child is killed without
+    ever running the argv. `cgroups=None` never uses cgroups; `parent_env`
+    defaults to os.environ. `sinks` (stdout's, stderr's) see every chunk of output
+    as it comes (the invocation's log files). `on_usage` gets the cgroup's own counters (CPU time,
+    peak memory, OOM kills, refused forks) once everything in it has ended.
+    `on_cgroup` learns of the cgroup once it is made (others may join it: the
+    invocation's lane hosts), and `before_cgroup_end` is awaited once the guest's
+    group has ended, before the cgroup is emptied, read and removed. `ready`: a
+    sandbox made ahead for `spec`'s shape and uid, now this run's to start or end.
+    """
+    try:
+        validate_spec(spec)
+        env = build_environment(spec, os.environ if parent_env is None else parent_env)
+    except BaseException:
+        if ready is not None:
+            await ready.end()
+        raise
+    cgroups = resolve_cgroups(cgroups)
+    if ready is not None:
+        # Made ahead (`supervisor/sandbox_pool.py`): its stage waits for this message.
+        cgroup, proc, gate_write = ready.cgroup, ready.proc, ready.command
+        opening = stage_message(spec.argv, env, _tokens(spec))
+    else:
+        cgroup, proc, gate_write = await _start(spec, cgroups, env)
+        opening = b"\n"
     if cgroup is not None and on_cgroup is not None:
         on_cgroup(cgroup)
     pgid = proc.pid  # start_new_session: the child leads its own group
@@ -230,8 +251,9 @@ async def run_process(
     try:
         try:
             # Not reaped yet, so /proc still shows it even if it already exited.
-            await on_started(proc.pid, process_start_ticks(proc.pid))
-            os.write(gate_write, b"\n")
+            ticks = ready.start_ticks if ready is not None else process_start_ticks(proc.pid)
+            await on_started(proc.pid, ticks)
+            await _send_all(gate_write, opening)
         except BaseException:
             # Kill before the pipe closes: a closed gate must never let the argv run.
             await end_group()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import trio
@@ -25,6 +25,7 @@ from machine.cgroups import (
     system_cgroups,
 )
 from machine.kept_thread import KeptThread
+from supervisor.launch import Launch, plan
 from supervisor.process_spec import ProcessSpec
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ConfinementFailed",
     "end_cgroup",
     "memory_plan",
+    "prepare_launch",
     "resolve_cgroups",
     "watch_oom",
 ]
@@ -97,6 +99,28 @@ def memory_plan(
         spec.cgroup_name,
     )
     return None, None
+
+
+def prepare_launch(
+    spec: ProcessSpec, cgroups: Cgroups | None, env: Mapping[str, str]
+) -> tuple[InvocationCgroup | None, Launch]:
+    """The cgroup (made here) and how the child starts; blocking, for the cgroup thread."""
+    cgroup, rlimit_as = memory_plan(spec, cgroups)
+    try:
+        launch = plan(
+            spec.argv,
+            env=env,
+            sandbox=spec.sandbox,
+            uid=spec.uid,
+            cgroup=cgroup,
+            rlimit_as=rlimit_as,
+            affinity=spec.cpu_affinity,
+        )
+    except BaseException:
+        if cgroup is not None:
+            cgroup.finish_if_empty()  # nothing joined it yet
+        raise
+    return cgroup, launch
 
 
 async def watch_oom(cgroup: InvocationCgroup, scope: trio.CancelScope) -> None:

@@ -11,12 +11,13 @@ import trio
 from machine import Machine
 from machine.lanes import LaneKind
 from supervisor.builtins import BUILTINS
-from supervisor.guests import GuestPolicy, GuestSession, guest_session
+from supervisor.guests import GuestPolicy, GuestSession, adopt_uid, guest_session
 from supervisor.invocation import Invocation
 from supervisor.lane_charges import LaneCharges
 from supervisor.logstore import InvocationLogs
 from supervisor.output import Sink
 from supervisor.process import ProcessSpec, run_process
+from supervisor.sandbox_pool import SandboxPool
 from supervisor.wire import BuiltinWork, ProcessWork
 
 __all__ = ["RunEnv", "process_spec", "run_work"]
@@ -31,6 +32,8 @@ class RunEnv:
     kill_grace: float
     guests: GuestPolicy
     charges: LaneCharges  # where its lane sessions run: its guest's cgroup
+    # Sandboxes made ahead for cwd-less guests; None: each guest's is made at its start.
+    pool: SandboxPool | None = None
 
 
 log = logging.getLogger(__name__)
@@ -90,9 +93,16 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
         memory_bytes=inv.request.resources.memory_bytes,
         network=work.network,
     ) as guest:
+        spec = process_spec(inv, work, guest)
+        ready = None if sup.pool is None else sup.pool.take(spec)
+        if ready is not None:
+            adopt_uid(sup.guests, guest, ready.uid)
+            spec = dataclasses.replace(spec, uid=ready.uid)
+        if sup.pool is not None:
+            sup.pool.count_start(pooled=ready is not None)
         inv.uid, inv.network = guest.uid, guest.network
         return await run_process(
-            process_spec(inv, work, guest),
+            spec,
             stdout=inv.stdout,
             stderr=inv.stderr,
             on_started=started,
@@ -102,6 +112,7 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
             sinks=None if logs is None else (_sink(logs, "stdout"), _sink(logs, "stderr")),
             on_cgroup=functools.partial(sup.charges.guest_confined, inv.id),
             before_cgroup_end=functools.partial(sup.charges.guest_ending, inv),
+            ready=ready,
         )
 
 

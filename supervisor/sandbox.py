@@ -47,6 +47,7 @@ __all__ = [
     "GUEST_RUN_DIR",
     "GUEST_TMP",
     "NODE_SOCKET",
+    "STAGE_PATH",
     "TOKEN_FILE",
     "SandboxSpec",
     "SandboxUnavailable",
@@ -59,6 +60,7 @@ GUEST_TMP = "/tmp"  # noqa: S108
 GUEST_RUN_DIR = "/run/litegraph"
 TOKEN_FILE = f"{GUEST_RUN_DIR}/tokens"
 NODE_SOCKET = f"{GUEST_RUN_DIR}/node.sock"
+STAGE_PATH = f"{GUEST_RUN_DIR}/stage"
 # The host's read-only system folders; on merged-/usr systems /bin and friends
 # are symlinks into /usr and are recreated as such.
 _SYSTEM_DIRS = ("/usr", "/etc")
@@ -110,6 +112,12 @@ class SandboxSpec:
     # The guests' user namespace (a daemon that is not root: its subordinate uids),
     # entered to take the guest's uid before bwrap runs (`supervisor/launch.py`).
     userns_fd: int | None = None
+    # litegraph-gate (`supervisor/gate.py`): the gate and the uid drop in one exec;
+    # None: a gate shell and setpriv.
+    gate: Path | None = None
+    # A pooled sandbox: the gate is bound at STAGE_PATH and waits there for its
+    # guest's command, environment and tokens (`supervisor/sandbox_pool.py`).
+    stage: bool = False
 
 
 def _system_mounts() -> list[str]:
@@ -164,6 +172,10 @@ def bwrap_argv(
         args += ["--dev-bind", str(node), _device_target(node, spec.dev_root)]
     if spec.token_fd is not None:
         args += ["--perms", "0400", "--ro-bind-data", str(spec.token_fd), TOKEN_FILE]
+    if spec.stage:
+        if spec.gate is None:
+            raise ValueError("a pooled sandbox's stage is litegraph-gate")
+        args += ["--ro-bind", str(spec.gate), STAGE_PATH]
     if spec.node_socket is not None:
         args += ["--bind", str(spec.node_socket), NODE_SOCKET]
     bound = [Path(folder) for folder in _SYSTEM_DIRS]

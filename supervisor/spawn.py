@@ -63,9 +63,13 @@ class Child:
     def returncode(self) -> int | None:
         return self._popen.returncode
 
+    def poll(self) -> int | None:
+        """Its exit code if it has exited (reaping it), else None."""
+        return self._popen.poll()
+
     async def wait(self) -> int:
         """Wait until it exits and reap it."""
-        while (code := self._popen.poll()) is None:
+        while (code := self.poll()) is None:
             if self._pidfd is not None:
                 await trio.lowlevel.wait_readable(self._pidfd)
             else:

@@ -24,6 +24,7 @@ from supervisor.invocation import Invocation
 from supervisor.lane_charges import LaneCharges
 from supervisor.lane_owner import LaneOwner
 from supervisor.logstore import LogStore
+from supervisor.sandbox_pool import SandboxPool
 from supervisor.wire import InvocationState, NodeEvent
 
 __all__ = ["Shared", "SupervisorState"]
@@ -62,6 +63,8 @@ class SupervisorState:
     owners: dict[str, LaneOwner] = dataclasses.field(default_factory=dict)
     # Where lane sessions run (made by the facade over `live` and `owners`).
     charges: LaneCharges = dataclasses.field(init=False)
+    # Sandboxes made ahead for cwd-less guests; None: none are (`--sandbox-pool 0`).
+    pool: SandboxPool | None = None
 
     def __post_init__(self) -> None:
         self.charges = LaneCharges(self.live, self.owners, lambda: self.guests)

@@ -13,6 +13,7 @@ from machine.cgroups.common import (
     CgroupLimits,
     CgroupsUnavailable,
     CgroupUsage,
+    pool_cgroup_prefix,
 )
 from machine.cgroups.host import Cgroups, system_cgroups
 from machine.cgroups.invocation import InvocationCgroup
@@ -28,5 +29,6 @@ __all__ = [
     "Cgroups",
     "CgroupsUnavailable",
     "InvocationCgroup",
+    "pool_cgroup_prefix",
     "system_cgroups",
 ]

@@ -7,6 +7,7 @@ are therefore opened without O_CREAT: a missing one is an error.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -24,6 +25,7 @@ __all__ = [
     "CgroupsUnavailable",
     "cpu_quota",
     "inside",
+    "pool_cgroup_prefix",
     "read_control",
     "read_keyed",
     "write_control",
@@ -33,6 +35,14 @@ __all__ = [
 PREFIX = "litegraph-"
 # The name becomes a path component: no separators, no dots-only names.
 CGROUP_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def pool_cgroup_prefix(state_dir: Path) -> str:
+    """How the names of one state folder's ready sandboxes' cgroups start
+    (`supervisor/sandbox_pool.py`): `_` starts no invocation id, and the tag is the
+    folder's, so a restart removes what its own pool left and no other daemon's."""
+    tag = hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:12]
+    return f"_pool-{tag}-"
 
 
 class CgroupError(RuntimeError):

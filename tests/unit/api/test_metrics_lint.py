@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.samples import Sample
 
-from api.metrics import NodeMetrics
+from api.metrics import NodeMetrics, SandboxPoolFigures
 from supervisor.wire import InvocationState
 from tests.fakes.fake_pynvml import FakeNvml, gpu_and_mig
 from tests.promlint import Problem, lint, parse
@@ -30,6 +30,7 @@ def full(metrics: NodeMetrics) -> NodeMetrics:
     """Every family the daemon serves has samples: counters, histograms, invocations."""
     metrics.invocation_counts = lambda: {InvocationState.running: 1}
     metrics.ended_totals = lambda: {InvocationState.succeeded: 2}
+    metrics.sandbox_pool = lambda: SandboxPoolFigures(pooled=3, direct=1, fill_failures=0, ready=2)
     metrics.admission_refusals.labels("node_drained").inc()
     metrics.token_refusals.labels("expired").inc()
     metrics.lane_work_seconds.labels("execute").observe(0.02)
