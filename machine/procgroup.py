@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
 import trio
@@ -90,13 +90,24 @@ def signal_process(stat: ProcStat, signum: int) -> bool:
     return True
 
 
-def sandbox_guest(leader: int) -> list[ProcStat]:
+def sandbox_guest(leader: int, among: Iterable[int] | None = None) -> list[ProcStat]:
     """The live processes of a sandboxed guest: every descendant of the sandbox's init,
     the child of `leader` (bubblewrap, our own child) that is pid 1 of the guest's pid
     namespace; the init itself is not one. [] before the sandbox runs the guest, after
     the guest has gone, or when /proc cannot be read. Orphans in the namespace are
-    reparented to that init, so none is missed by a double fork."""
-    stats = iter_stats()
+    reparented to that init, so none is missed by a double fork.
+
+    `among`: the pids that can be in the sandbox (its cgroup's), read instead of all
+    of /proc, whose scan costs milliseconds of CPU on a busy host. A leader that has
+    exited took the sandbox with it (its init dies with it, and the kernel kills the
+    rest of the namespace): nothing is read then."""
+    own = read_stat(leader)
+    if own is None or not own.alive:
+        return []
+    if among is None:
+        stats = iter_stats()
+    else:
+        stats = (stat for stat in map(read_stat, among) if stat is not None)
     if stats is None:
         return []
     children: dict[int, list[ProcStat]] = {}
@@ -204,6 +215,7 @@ async def terminate_sandbox(
     *,
     leader: Leader,
     kill_wait: float = KILL_WAIT_SECONDS,
+    members: Callable[[], Iterable[int] | None] | None = None,
 ) -> bool:
     """End a sandboxed guest whose bubblewrap, our own child `leader`, leads group
     `pgid` (its pid): SIGTERM to the guest's own processes (`sandbox_guest`), never
@@ -212,8 +224,10 @@ async def terminate_sandbox(
     takes the whole sandbox (its init dies with bubblewrap, and the kernel kills the
     rest of its namespace), and to the guest's processes. Before the guest runs (at
     its gate) or after it is gone, this is `terminate_group`. Returns as
-    `terminate_group` does; callers run it shielded with a deadline too."""
-    guest = sandbox_guest(pgid)
+    `terminate_group` does; callers run it shielded with a deadline too. `members`:
+    what may be in the sandbox (its cgroup's pids; see `sandbox_guest`), or None when
+    that cannot be read (all of /proc is then)."""
+    guest = sandbox_guest(pgid, None if members is None else members())
     if not guest:
         return await terminate_group(pgid, grace, leader=leader, kill_wait=kill_wait)
     if not [stat for stat in guest if signal_process(stat, signal.SIGTERM)]:
@@ -225,7 +239,7 @@ async def terminate_sandbox(
     )
     # bubblewrap's death takes the sandbox (--die-with-parent); its guest goes directly too.
     signal_group(pgid, signal.SIGKILL)
-    for stat in sandbox_guest(pgid):
+    for stat in sandbox_guest(pgid, None if members is None else members()):
         signal_process(stat, signal.SIGKILL)
     if await wait_group_gone(pgid, kill_wait, leader):
         return True

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from machine.cgroups import Cgroups, CgroupUsage, InvocationCgroup
+from machine.cgroups import CgroupError, Cgroups, CgroupUsage, InvocationCgroup
 from machine.proc import process_start_ticks
 from machine.procgroup import terminate_group, terminate_sandbox
 from supervisor.gate import stage_message
@@ -169,6 +169,14 @@ def _tokens(spec: ProcessSpec) -> bytes:
     return os.pread(fd, os.fstat(fd).st_size, 0)
 
 
+def _members(cgroup: InvocationCgroup) -> frozenset[int] | None:
+    """Every process in the guest's cgroup (its whole sandbox); None if unreadable."""
+    try:
+        return cgroup.pids()
+    except CgroupError:
+        return None
+
+
 async def _send_all(fd: int, data: bytes) -> None:
     """Write `data` to the pipe `fd` without blocking the event loop (a stage's message
     may be larger than the pipe holds)."""
@@ -238,7 +246,8 @@ async def run_process(
         # The hook bounds itself; the group's ending and the cgroup's have this.
         with trio.move_on_after(kill_grace + 15, shield=True):
             if spec.sandbox is not None:
-                await terminate_sandbox(pgid, kill_grace, leader=proc)
+                members = None if cgroup is None else functools.partial(_members, cgroup)
+                await terminate_sandbox(pgid, kill_grace, leader=proc, members=members)
             else:
                 await terminate_group(pgid, kill_grace, leader=proc)
         with trio.CancelScope(shield=True):
