@@ -18,8 +18,8 @@ the daemon: its stage reads end of file when the daemon's end of the pipe closes
 (and runs nothing), bwrap dies with the daemon (`--die-with-parent`), and a
 restarted daemon removes what cgroups are left (`machine.model`).
 
-Bounds: at most `size` ready sandboxes in all, `PER_SHAPE` of each of the
-`MAX_SHAPES` most recently used shapes; fills run one at a time in the background,
+Bounds: at most `size` ready sandboxes in all, of the `MAX_SHAPES` most recently
+used shapes; fills run one at a time in the background,
 resting after each so that filling uses at most `cpu_share` of a core's time; the
 pool never takes a uid the running guests might need. A pool that cannot fill
 (no uid, no cgroup, a sandbox that would not start) counts the failure and the
@@ -52,7 +52,6 @@ __all__ = ["PoolCounts", "ReadySandbox", "SandboxPool", "shape_of"]
 
 log = logging.getLogger(__name__)
 
-PER_SHAPE = 2
 MAX_SHAPES = 4
 # A discarded sandbox's stage exits at once on end of file; past this it is killed.
 _DISCARD_SECONDS = 2.0
@@ -232,9 +231,7 @@ class SandboxPool:
                         nursery.start_soon(self.discard, entry)
 
     def _room(self, shape: Shape) -> bool:
-        if shape not in self._ready or len(self._ready[shape]) >= PER_SHAPE:
-            return False
-        if self.ready >= self.size:
+        if shape not in self._ready or self.ready >= self.size:
             return False
         uids = self._uids
         return uids is None or uids.available > self._keep_uids
