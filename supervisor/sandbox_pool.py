@@ -204,7 +204,7 @@ class SandboxPool:
             async for shape in self._wanted:
                 await self._end_doomed()
                 await self._forget_old_shapes()
-                while self._room(shape):
+                while await self._room(shape):
                     started = trio.current_time()
                     try:
                         entry = await self._fill(shape)
@@ -230,11 +230,22 @@ class SandboxPool:
                     for entry in entries:
                         nursery.start_soon(self.discard, entry)
 
-    def _room(self, shape: Shape) -> bool:
-        if shape not in self._ready or self.ready >= self.size:
+    async def _room(self, shape: Shape) -> bool:
+        """Whether `shape` may have one more; a full pool ends a ready sandbox of a
+        shape that holds more than this one, so shapes in use share the pool."""
+        entries = self._ready.get(shape)
+        if entries is None:
             return False
         uids = self._uids
-        return uids is None or uids.available > self._keep_uids
+        if uids is not None and uids.available <= self._keep_uids:
+            return False
+        if self.ready < self.size:
+            return True
+        richest = max(self._ready.values(), key=len)
+        if len(richest) <= len(entries) + 1:
+            return False
+        await self.discard(richest.pop(0))
+        return True
 
     async def _forget_old_shapes(self) -> None:
         while len(self._ready) > MAX_SHAPES:

@@ -166,3 +166,21 @@ def test_a_killed_daemon_with_a_full_pool_leaves_no_cgroup_or_process_behind(
     _wait("the ready sandboxes gone", lambda: not _processes_of(uids))
     with subprocess_node(tmp_path, *argv, env=env):
         assert not (before & _pool_cgroups(tmp_path)), "a dead daemon's pooled cgroup was kept"
+
+
+async def test_two_shapes_in_use_share_the_pool(tmp_path: pathlib.Path) -> None:
+    small = {"cpu_millis": 250, "memory_bytes": 128 * 2**20}
+    async with confined_node(tmp_path) as node:
+        first = await run_to_end(node, process(["true"]))  # fills the pool with its shape
+        await _pool_filled(node, 4)
+        other = await run_to_end(node, process(["true"], resources=small))
+        assert first["state"] == other["state"] == "succeeded"
+        with trio.fail_after(30):
+            while (await _pool_figures(node))["ready_now"] < 4:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        # Each shape in use now has ready sandboxes of its own: both start in one.
+        for body in (process(["true"]), process(["true"], resources=small)):
+            await _pool_filled(node, 4)
+            assert (await run_to_end(node, body))["state"] == "succeeded"
+        figures = await _pool_figures(node)
+        assert figures["direct"] == 2 and figures["ready"] == 2, figures
