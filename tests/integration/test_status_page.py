@@ -2,6 +2,13 @@
 
 Chromium is not installed by the test. Without it the test is skipped on a
 workstation and fails under CI (the CI script installs the `chromium` package).
+
+One Chromium serves the whole module, a new tab for each page load: the page keeps
+its secret in the tab's session storage and sets no cookie, so a new tab opens it
+as a fresh profile would. One daemon serves the tests that leave it as they found
+it (`shared`: they only read, or undo what they change, and their invocations have
+ids of their own); a test that needs a node of its own (another configuration, a
+list of exactly its invocations, every lane free) starts one.
 """
 
 from __future__ import annotations
@@ -11,15 +18,15 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
+from supervisor.wire import InvocationState
 from tests import cdp
 from tests.api_fixtures import (
     RunningDaemon,
@@ -27,48 +34,66 @@ from tests.api_fixtures import (
     builtin_request,
     get_snapshot,
     running_daemon,
+    wait_for_state,
 )
 from tests.helpers import guest_cwd
+from tests.page_fixtures import Chromiums, daemon_in_a_thread
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_SECONDS = 60
+# Under `--dist loadgroup` one worker runs the module: Chromium and the shared daemon
+# start once. (With pytest 9.2 and pytest-xdist 3.8 the mark does nothing, see
+# pytest-xdist#1386: each worker that runs some of the module starts its own.)
+pytestmark = pytest.mark.xdist_group("status_page")
 
 
-def chromium() -> str:
-    found = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is required under CI (apt-get install chromium)")
-        pytest.skip("chromium is not installed")
-    return found
+@pytest.fixture(scope="module")
+def chromiums(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromiums]:
+    held = Chromiums(tmp_path_factory.mktemp("chromium"))
+    try:
+        yield held
+    finally:
+        held.close()
+
+
+@pytest.fixture
+def browser(chromiums: Chromiums) -> cdp.Browser:
+    """The module's Chromium (started again if a test before crashed it)."""
+    return chromiums.get()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """A daemon as `running_daemon` starts it, for the tests that leave it as they found it."""
+    with daemon_in_a_thread(tmp_path_factory.mktemp("shared-node")) as node:
+        yield node
+
+
+@contextlib.asynccontextmanager
+async def client_of(node: RunningDaemon) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=node.url, timeout=5) as client:
+        yield client
 
 
 @contextlib.asynccontextmanager
 async def serving(
     tmp_path: pathlib.Path, *argv: str
 ) -> AsyncIterator[tuple[RunningDaemon, httpx.AsyncClient]]:
-    """A daemon on loopback and an HTTP client for it."""
-    async with (
-        running_daemon(tmp_path, *argv) as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+    """A daemon of the test's own on loopback and an HTTP client for it."""
+    async with running_daemon(tmp_path, *argv) as node, client_of(node) as client:
         yield node, client
 
 
-async def dump_dom(browser: str, profile: pathlib.Path, url: str) -> str:
-    argv = [
-        browser,
-        *cdp.FLAGS,
-        f"--user-data-dir={profile}",
-        "--virtual-time-budget=3000",
-        "--dump-dom",
-        url,
-    ]
-    # Run asynchronously: the daemon serving the page lives in this same trio run.
-    with trio.fail_after(CHROMIUM_SECONDS):
-        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
-    return done.stdout.decode()
+# The page drew a snapshot: it fetched the snapshot, the history and the list of
+# invocations together, then drew them all at once.
+SNAPSHOT_SHOWN = "document.querySelector('#seq').textContent !== '\N{EN DASH}'"
+LOGIN_SHOWN = "!document.querySelector('#login').hidden"
+
+
+async def dump_dom(browser: cdp.Browser, url: str, shown: str = SNAPSHOT_SHOWN) -> str:
+    """The page's markup, opened at `url` in a new tab, once `shown` holds."""
+    async with browser.tab() as tab:
+        await tab.goto(url)
+        await tab.wait_for(shown)
+        return await tab.html()
 
 
 def table_body(dom: str, table_id: str) -> str:
@@ -77,12 +102,13 @@ def table_body(dom: str, table_id: str) -> str:
     return match.group(1)
 
 
-async def test_status_page_shows_devices_lanes_and_invocations(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
+async def test_status_page_shows_devices_lanes_and_invocations(
+    tmp_path: pathlib.Path, browser: cdp.Browser
+) -> None:
     async with serving(tmp_path) as (node, client):
         snapshot = await get_snapshot(client, node.scheduler)
         page = f"{node.url}/#token={node.scheduler}"
-        dom = await dump_dom(browser, tmp_path / "profile-1", page)
+        dom = await dump_dom(browser, page)
         assert re.search(r'<form id="login" hidden', dom), "connected, yet the login form shows"
         devices = table_body(dom, "devices")
         for device in snapshot.devices:
@@ -102,7 +128,9 @@ async def test_status_page_shows_devices_lanes_and_invocations(tmp_path: pathlib
         body = builtin_request("from-the-page-test", args={"seconds": 60})
         accepted = await client.post("/v1/invocations", json=body, headers=bearer(node.admin))
         assert accepted.status_code == 202
-        dom = await dump_dom(browser, tmp_path / "profile-2", page)
+        running = frozenset({InvocationState.running})
+        await wait_for_state(client, node.scheduler, "from-the-page-test", running)
+        dom = await dump_dom(browser, page)
         invocations = table_body(dom, "invocations")
         assert "from-the-page-test" in invocations
         assert re.search(r"(queued|running)</td>", invocations)
@@ -113,14 +141,14 @@ async def test_status_page_shows_devices_lanes_and_invocations(tmp_path: pathlib
 
 
 async def test_status_page_asks_for_a_token_when_the_one_given_is_wrong(
-    tmp_path: pathlib.Path,
+    shared: RunningDaemon, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
-    async with running_daemon(tmp_path) as node:
-        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token=wrong")
-        assert re.search(r'<form id="login">', dom), "the login form should be shown"
-        assert "not connected" in dom
-        assert table_body(dom, "devices").strip() == ""
+    node = shared
+    refused = "document.querySelector('#status').textContent.includes('not connected')"
+    dom = await dump_dom(browser, f"{node.url}/#token=wrong", f"{LOGIN_SHOWN} && {refused}")
+    assert re.search(r'<form id="login">', dom), "the login form should be shown"
+    assert "not connected" in dom
+    assert table_body(dom, "devices").strip() == ""
 
 
 def row(dom: str, table_id: str, key: str) -> str:
@@ -131,8 +159,9 @@ def row(dom: str, table_id: str, key: str) -> str:
     raise AssertionError(f"no row with {key!r} in #{table_id}")
 
 
-async def test_devices_show_their_readings_and_a_history_at_once(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
+async def test_devices_show_their_readings_and_a_history_at_once(
+    tmp_path: pathlib.Path, browser: cdp.Browser
+) -> None:
     async with serving(tmp_path, "--health-interval", "0.05") as (node, client):
         with trio.fail_after(10):  # a few probes, so there is a history to show
             while True:
@@ -143,7 +172,7 @@ async def test_devices_show_their_readings_and_a_history_at_once(tmp_path: pathl
                     break
                 await trio.sleep(0.05)
         assert history["max_samples"] == 120 and history["interval_s"] == 0.05
-        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+        dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
     first = row(dom, "devices", "GPU-5e1d0a3c-0000-4000-8000-5157a0000001")
     assert "41 °C" in first and "72 W" in first  # the simulated workstation's readings
     assert re.search(r"\d+ MiB / 24\.0 GiB|[\d.]+ GiB / 24\.0 GiB", first), first
@@ -153,8 +182,8 @@ async def test_devices_show_their_readings_and_a_history_at_once(tmp_path: pathl
     assert "<polyline" in first
 
 
-async def test_history_needs_an_operator(tmp_path: pathlib.Path) -> None:
-    async with serving(tmp_path) as (_, client):
+async def test_history_needs_an_operator(shared: RunningDaemon) -> None:
+    async with client_of(shared) as client:
         assert (await client.get("/v1/devices/history")).status_code == 401
         wrong = await client.get("/v1/devices/history", headers=bearer("x" * 40))
         assert wrong.status_code == 401
@@ -183,8 +212,9 @@ temperature_c = 97.0
 """
 
 
-async def test_drained_and_unhealthy_lanes_never_look_free(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
+async def test_drained_and_unhealthy_lanes_never_look_free(
+    tmp_path: pathlib.Path, browser: cdp.Browser
+) -> None:
     sim = tmp_path / "sim.toml"
     sim.write_text(TWO_GPUS)
     argv = ("--sim-file", str(sim), "--health-interval", "0.1")
@@ -199,7 +229,7 @@ async def test_drained_and_unhealthy_lanes_never_look_free(tmp_path: pathlib.Pat
         (drained,) = [lane for lane in snapshot.lanes if lane.device_id == HEALTHY_GPU]
         reply = await client.post(f"/v1/lanes/{drained.lane_id}/drain", headers=bearer(node.admin))
         assert reply.status_code == 200, reply.text
-        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+        dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
     lane = row(dom, "lanes", drained.lane_id)
     assert 'class="badge drained">DRAINED — takes no work' in lane, lane
     assert 'class="bar out drained"' in lane
@@ -213,14 +243,15 @@ async def test_drained_and_unhealthy_lanes_never_look_free(tmp_path: pathlib.Pat
     assert 'class="badge free">free' in cpu, cpu
 
 
-async def test_the_page_says_when_devices_are_simulated(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
-    async with running_daemon(tmp_path / "sim") as node:
-        dom = await dump_dom(browser, tmp_path / "p1", f"{node.url}/#token={node.scheduler}")
+async def test_the_page_says_when_devices_are_simulated(
+    tmp_path: pathlib.Path, shared: RunningDaemon, browser: cdp.Browser
+) -> None:
+    node = shared  # --devices sim, as running_daemon starts it
+    dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
     assert re.search(r'<div id="sim-banner" class="banner" role="alert">', dom), "no banner"
     assert "Simulated devices." in dom and "--devices sim" in dom
     async with running_daemon(tmp_path / "none", devices="none") as node:
-        dom = await dump_dom(browser, tmp_path / "p2", f"{node.url}/#token={node.scheduler}")
+        dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
     assert re.search(r'<div id="sim-banner" class="banner" role="alert" hidden', dom)
 
 
@@ -238,13 +269,12 @@ class _BrokenNvml:
 
 
 async def test_the_page_says_why_dev_fell_back_to_simulated_devices(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
     async with running_daemon(
         tmp_path, devices="auto", dev=True, pynvml_module=_BrokenNvml()
     ) as node:
-        dom = await dump_dom(browser, tmp_path / "p", f"{node.url}/#token={node.scheduler}")
+        dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
     banner = re.search(r'<div id="sim-banner"[^>]*>(.*?)</div>', dom, re.DOTALL)
     assert banner is not None and " hidden" not in banner.group(0).split(">")[0]
     assert "NVMLError: Driver Not Loaded" in banner.group(1), banner.group(1)
@@ -261,10 +291,10 @@ async def _ended(client: httpx.AsyncClient, secret: str, invocation_id: str) -> 
 
 
 async def test_invocation_detail_shows_exit_code_reason_usage_and_stderr(
-    tmp_path: pathlib.Path,
+    shared: RunningDaemon, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
-    async with serving(tmp_path) as (node, client):
+    node = shared
+    async with client_of(node) as client:
         body = {
             "id": "oom-job",
             "work": {
@@ -283,7 +313,14 @@ async def test_invocation_detail_shows_exit_code_reason_usage_and_stderr(
         status = await _ended(client, node.scheduler, "oom-job")
         assert status["exit_code"] == 3, status
         page = f"{node.url}/#token={node.scheduler}&inv=oom-job"
-        dom = await dump_dom(browser, tmp_path / "profile", page)
+        # Its fields, and its logs (the status's tails, or the log route's whole streams).
+        shown = (
+            "!document.querySelector('#detail').hidden"
+            " && document.querySelector('#detail-id').textContent === 'oom-job'"
+            " && document.querySelector('#stderr').textContent.includes('CUDA out of memory')"
+            " && document.querySelector('#stdout').textContent.includes('step 1')"
+        )
+        dom = await dump_dom(browser, page, shown)
     detail = re.search(r'<section id="detail"[^>]*>(.*?)</section>', dom, re.DOTALL)
     assert detail is not None and " hidden" not in detail.group(0).split(">")[0], "no detail"
     text = detail.group(1)
@@ -304,6 +341,49 @@ async def _drained(client: httpx.AsyncClient, secret: str, lane_id: str) -> bool
     return next(lane.drained for lane in snapshot.lanes if lane.lane_id == lane_id)
 
 
+@contextlib.asynccontextmanager
+async def undrained(client: httpx.AsyncClient, node: RunningDaemon) -> AsyncIterator[None]:
+    """On the way out, however the test ended, resume the shared node and all its lanes
+    (the test drains one of them, or the node, or checks that a refusal drained nothing)."""
+    try:
+        yield
+    finally:
+        with trio.move_on_after(10, shield=True):
+            admin = bearer(node.admin)
+            resumed = await client.post("/v1/node/resume", headers=admin)
+            assert resumed.status_code == 200, resumed.text
+            for lane in (await get_snapshot(client, node.scheduler)).lanes:
+                resumed = await client.post(f"/v1/lanes/{lane.lane_id}/resume", headers=admin)
+                assert resumed.status_code == 200, resumed.text
+
+
+@contextlib.asynccontextmanager
+async def cancelling(
+    client: httpx.AsyncClient, node: RunningDaemon, invocation_id: str
+) -> AsyncIterator[None]:
+    """On the way out, however the test ended, cancel its invocation on the shared node
+    (if it has not ended already), and wait until it has."""
+    try:
+        yield
+    finally:
+        with trio.move_on_after(10, shield=True):
+            path = f"/v1/invocations/{invocation_id}"
+            if (await client.delete(path, headers=bearer(node.scheduler))).status_code != 404:
+                await _ended(client, node.scheduler, invocation_id)
+
+
+async def no_work_left(client: httpx.AsyncClient, node: RunningDaemon) -> None:
+    """Wait until no invocation (another test's) is queued or running on the node."""
+    live = {"state": ["queued", "running"]}
+    with trio.fail_after(20):
+        while True:
+            reply = await client.get("/v1/invocations", params=live, headers=bearer(node.admin))
+            assert reply.status_code == 200, reply.text
+            if not reply.json()["invocations"]:
+                return
+            await trio.sleep(0.05)
+
+
 async def _sign_in(tab: cdp.Page, url: str, secret: str) -> None:
     """Open the page with no secret in its address and paste `secret` into the form."""
     await tab.goto(f"{url}/")
@@ -316,10 +396,10 @@ async def _sign_in(tab: cdp.Page, url: str, secret: str) -> None:
 
 
 async def test_an_admin_signs_in_on_the_page_and_drains_then_resumes_a_lane(
-    tmp_path: pathlib.Path,
+    shared: RunningDaemon, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
-    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+    node = shared
+    async with client_of(node) as client, browser.tab() as tab, undrained(client, node):
         lane = (await get_snapshot(client, node.scheduler)).lanes[-1].lane_id
         button = f"document.querySelector('tr[data-lane=\"{lane}\"] button.lane-action')"
         await _sign_in(tab, node.url, node.admin)
@@ -339,10 +419,12 @@ async def test_an_admin_signs_in_on_the_page_and_drains_then_resumes_a_lane(
         assert node.admin not in await tab.evaluate("location.href")
 
 
-async def test_a_scheduler_gets_no_drain_button_and_is_refused(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
-    async with serving(tmp_path) as (node, client):
-        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+async def test_a_scheduler_gets_no_drain_button_and_is_refused(
+    shared: RunningDaemon, browser: cdp.Browser
+) -> None:
+    node = shared
+    async with client_of(node) as client, undrained(client, node):
+        dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
         assert "signed in as scheduler" in dom
         assert "lane-action" not in table_body(dom, "lanes")
         lane = (await get_snapshot(client, node.scheduler)).lanes[-1].lane_id
@@ -351,10 +433,12 @@ async def test_a_scheduler_gets_no_drain_button_and_is_refused(tmp_path: pathlib
         assert not await _drained(client, node.scheduler, lane)
 
 
-async def test_an_admin_secret_in_the_address_is_refused(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
-    async with running_daemon(tmp_path) as node:
-        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.admin}")
+async def test_an_admin_secret_in_the_address_is_refused(
+    shared: RunningDaemon, browser: cdp.Browser
+) -> None:
+    node = shared
+    refused = f"{LOGIN_SHOWN} && document.querySelector('#login-note').textContent.includes('URL')"
+    dom = await dump_dom(browser, f"{node.url}/#token={node.admin}", refused)
     assert re.search(r'<form id="login">', dom), "the login form should be shown"
     assert "an admin secret in a URL is refused" in dom
     assert "lane-action" not in table_body(dom, "lanes")
@@ -362,9 +446,10 @@ async def test_an_admin_secret_in_the_address_is_refused(tmp_path: pathlib.Path)
 
 
 async def test_the_page_cannot_be_framed_or_reach_elsewhere_and_a_cross_site_post_drains_nothing(
-    tmp_path: pathlib.Path,
+    shared: RunningDaemon,
 ) -> None:
-    async with serving(tmp_path) as (node, client):
+    node = shared
+    async with client_of(node) as client, undrained(client, node):
         page = await client.get("/")
         policy = page.headers["Content-Security-Policy"]
         assert "frame-ancestors 'none'" in policy and "connect-src 'self'" in policy
@@ -385,8 +470,9 @@ async def test_the_page_cannot_be_framed_or_reach_elsewhere_and_a_cross_site_pos
         assert not await _drained(client, node.scheduler, lane)
 
 
-async def test_whoami_names_the_role_of_the_secret(tmp_path: pathlib.Path) -> None:
-    async with serving(tmp_path) as (node, client):
+async def test_whoami_names_the_role_of_the_secret(shared: RunningDaemon) -> None:
+    node = shared
+    async with client_of(node) as client:
         for secret, role in ((node.scheduler, "scheduler"), (node.admin, "admin")):
             reply = await client.get("/v1/whoami", headers=bearer(secret))
             assert reply.status_code == 200 and reply.json() == {"role": role}
@@ -394,19 +480,16 @@ async def test_whoami_names_the_role_of_the_secret(tmp_path: pathlib.Path) -> No
 
 
 async def test_invocation_detail_follows_its_logs_live_beyond_the_status_tail(
-    tmp_path: pathlib.Path,
+    shared: RunningDaemon, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
+    node = shared
     script = "echo BEGIN >&2; head -c 9000 /dev/zero | tr '\\0' x >&2; echo END >&2; sleep 60"
     body = {
         "id": "chatty",
         "work": {"kind": "process", "argv": ["sh", "-c", script], "cwd": str(guest_cwd())},
         "resources": {"cpu_millis": 100, "memory_bytes": 2**26},
     }
-    async with (
-        serving(tmp_path) as (node, client),
-        cdp.page(browser, tmp_path / "profile") as tab,
-    ):
+    async with client_of(node) as client, browser.tab() as tab, cancelling(client, node, "chatty"):
         accepted = await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
         assert accepted.status_code == 202, accepted.text
         await tab.goto(f"{node.url}/#token={node.scheduler}&inv=chatty")
@@ -445,9 +528,8 @@ power_w = 200.0
 
 
 async def test_utilization_memory_and_power_graphs_follow_the_probes(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
     sim = tmp_path / "sim.toml"
     sim.write_text(LOADED)
     async with serving(tmp_path, "--sim-file", str(sim), "--health-interval", "0.05") as (
@@ -468,7 +550,7 @@ async def test_utilization_memory_and_power_graphs_follow_the_probes(
         assert (
             samples[0]["memory_used_bytes"] == 0 and samples[-1]["memory_used_bytes"] == 6 * 2**30
         )
-        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+        dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
     device = row(dom, "devices", LOADED_GPU)
     assert re.search(r'aria-label="utilization over the last \d+ samples: 0 % to 80 %"', device)
     assert re.search(r'aria-label="power over the last \d+ samples: 50 W to 200 W"', device)
@@ -476,13 +558,10 @@ async def test_utilization_memory_and_power_graphs_follow_the_probes(
 
 
 async def test_an_admin_drains_and_resumes_the_whole_node_from_the_page(
-    tmp_path: pathlib.Path,
+    shared: RunningDaemon, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
-    async with (
-        serving(tmp_path) as (node, client),
-        cdp.page(browser, tmp_path / "profile") as tab,
-    ):
+    node = shared
+    async with client_of(node) as client, browser.tab() as tab, undrained(client, node):
         await _sign_in(tab, node.url, node.admin)
         button = "document.querySelector('#node-action')"
         banner = "document.querySelector('#node-banner')"
@@ -500,11 +579,13 @@ async def test_an_admin_drains_and_resumes_the_whole_node_from_the_page(
         assert not (await get_snapshot(client, node.scheduler)).drained
 
 
-async def test_a_scheduler_sees_a_drained_node_but_no_node_button(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
-    async with serving(tmp_path) as (node, client):
+async def test_a_scheduler_sees_a_drained_node_but_no_node_button(
+    shared: RunningDaemon, browser: cdp.Browser
+) -> None:
+    node = shared
+    async with client_of(node) as client, undrained(client, node):
         assert (await client.post("/v1/node/drain", headers=bearer(node.admin))).status_code == 200
-        dom = await dump_dom(browser, tmp_path / "profile", f"{node.url}/#token={node.scheduler}")
+        dom = await dump_dom(browser, f"{node.url}/#token={node.scheduler}")
         refused = await client.post("/v1/node/resume", headers=bearer(node.scheduler))
         assert refused.status_code == 403
         assert (await get_snapshot(client, node.scheduler)).drained
@@ -585,14 +666,14 @@ def echo(invocation_id: str) -> dict[str, Any]:
 
 
 async def test_a_clicked_invocation_opens_its_detail_in_view_beside_the_list(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
     ids = [f"echo-{k:02}" for k in range(12)]
-    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+    async with serving(tmp_path) as (node, client), browser.tab() as tab:
         for invocation_id in ids:
             await submit(client, node.scheduler, echo(invocation_id))
-        await _ended(client, node.scheduler, ids[-1])
+        for invocation_id in ids:  # all ended: no row (nor lane) redrawn under the mouse
+            await _ended(client, node.scheduler, invocation_id)
         await open_page(tab, node)
         await tab.wait_for(f"{ROW_IDS}.length === {len(ids)}")
         chosen = ids[-1]  # the newest: the first row, with the whole list below it
@@ -648,10 +729,9 @@ async def detail_shows(tab: cdp.Page, invocation_id: str) -> None:
 
 
 async def test_the_invocation_list_pages_and_filters_by_state_with_end_times(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
-    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+    async with serving(tmp_path) as (node, client), browser.tab() as tab:
         for k in range(12):
             await submit(client, node.scheduler, echo(f"echo-{k:02}"))
         await submit(
@@ -719,10 +799,10 @@ async def test_the_invocation_list_pages_and_filters_by_state_with_end_times(
 
 
 async def test_the_devices_table_lists_mig_instances_under_their_gpu(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, shared: RunningDaemon, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
-    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+    node = shared
+    async with client_of(node) as client, browser.tab() as tab:
         reply = await client.get("/v1/snapshot", headers=bearer(node.scheduler))
         devices = reply.json()["devices"]
         await open_page(tab, node)
@@ -761,16 +841,22 @@ async def test_the_devices_table_lists_mig_instances_under_their_gpu(
 
 
 async def test_a_lane_an_invocation_holds_shows_busy_and_the_others_free(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, shared: RunningDaemon, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
+    node = shared
     body = builtin_request(
         "holder",
         args={"seconds": 60},
         requirement="gpu",
         resources={"cpu_millis": 100, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": 2**30},
     )
-    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+    async with (
+        client_of(node) as client,
+        browser.tab() as tab,
+        undrained(client, node),
+        cancelling(client, node, "holder"),
+    ):
+        await no_work_left(client, node)  # every lane free, as on a node of its own
         await submit(client, node.scheduler, body)
         with trio.fail_after(10):
             while True:
@@ -812,15 +898,16 @@ async def test_a_lane_an_invocation_holds_shows_busy_and_the_others_free(
         assert allocated[lane_id] == "1.0 GiB", allocated
 
 
-async def test_resources_are_shown_with_human_names_and_units(tmp_path: pathlib.Path) -> None:
-    browser = chromium()
+async def test_resources_are_shown_with_human_names_and_units(
+    tmp_path: pathlib.Path, browser: cdp.Browser
+) -> None:
     body = builtin_request(
         "sized",
         name="echo",
         args={"text": "hi"},
         resources={"cpu_millis": 1000, "memory_bytes": 64 * 2**20},
     )
-    async with serving(tmp_path) as (node, client), cdp.page(browser, tmp_path / "profile") as tab:
+    async with serving(tmp_path) as (node, client), browser.tab() as tab:
         await submit(client, node.scheduler, body)
         await _ended(client, node.scheduler, "sized")
         capacity = (await client.get("/v1/snapshot", headers=bearer(node.scheduler))).json()[
@@ -857,14 +944,13 @@ async def test_resources_are_shown_with_human_names_and_units(tmp_path: pathlib.
 
 
 async def test_sparklines_carry_their_scale_and_the_time_they_span(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, browser: cdp.Browser
 ) -> None:
-    browser = chromium()
     sim = tmp_path / "sim.toml"
     sim.write_text(LOADED)
     # A probe each 0.2 s: the page's 120 samples span 24 s, the whole test.
     argv = ("--sim-file", str(sim), "--health-interval", "0.2")
-    async with serving(tmp_path, *argv) as (node, client), cdp.page(browser, tmp_path / "p") as tab:
+    async with serving(tmp_path, *argv) as (node, client), browser.tab() as tab:
         with trio.fail_after(15):  # samples from before the load (2 s in) and after it
             while True:
                 reply = await client.get("/v1/devices/history", headers=bearer(node.scheduler))
