@@ -1,4 +1,9 @@
-"""The installed command end to end: exit codes, precedence, planted files, shutdown."""
+"""The command's argv boundary and the daemon's start and shutdown: exit codes,
+precedence, planted files, signals.
+
+What the command says and returns for its arguments is asked of `node.cli.main` in this
+process (`tests.cli_fixtures.cli`, as a shell with that environment runs it); the
+daemon's start, refusal to start and shutdown, and one bad flag, of a real process."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import psutil
 import pytest
 
 from machine.snapshot import NodeSnapshot
+from tests.cli_fixtures import Ran, cli
 from tests.helpers import (
     clean_env,
     node_command,
@@ -40,7 +46,12 @@ def run(
     )
 
 
+def _cli(*args: str, cwd: pathlib.Path | None = None, **env: str) -> Ran:
+    return cli(clean_env(**env), *args, cwd=cwd)
+
+
 def test_unknown_flag_exits_2_with_one_line_naming_it() -> None:
+    """As a process: the exit status and stderr of `python -m node` itself."""
     result = run("--no-such-flag")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -50,31 +61,31 @@ def test_unknown_flag_exits_2_with_one_line_naming_it() -> None:
 
 def test_an_unknown_command_is_named_and_a_missing_one_said_missing() -> None:
     """The report: `litegraph-node frobnicate` said "missing command"."""
-    unknown = run("frobnicate")
+    unknown = _cli("frobnicate")
     assert unknown.returncode == 2
     (line,) = unknown.stderr.strip().splitlines()
     assert line.startswith("litegraph-node: error: unknown command 'frobnicate' (one of: serve")
-    missing = run()
+    missing = _cli()
     assert missing.returncode == 2
     assert "missing command (one of: serve" in missing.stderr
 
 
 def test_contracts_check_says_so_when_they_match() -> None:
     """The report: `contracts --check` was silent on success."""
-    result = run("contracts", "--check")
+    result = _cli("contracts", "--check")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "litegraph-node contracts: api/contracts/ matches the types"
 
 
 def test_invalid_env_value_exits_2_naming_flag() -> None:
-    result = run("serve", LITEGRAPH_NODE_MAX_RUNNING="lots")
+    result = _cli("serve", LITEGRAPH_NODE_MAX_RUNNING="lots")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
     assert "--max-running" in result.stderr
 
 
 def test_help_is_generated_from_the_flag_file() -> None:
-    result = run("--help")
+    result = _cli("--help")
     assert result.returncode == 0
     assert "LITEGRAPH_NODE_LISTEN" in result.stdout and "--log-format" in result.stdout
 
@@ -84,7 +95,7 @@ def test_planted_flag_file_in_working_directory_is_ignored(tmp_path: pathlib.Pat
         '[flags.evil]\nenv = "LITEGRAPH_NODE_EVIL"\naliases = ["evil"]\n'
     )
     (tmp_path / "cli-flags.toml").write_text((tmp_path / ".cli-flags.toml").read_text())
-    result = run("--evil", "x", cwd=tmp_path)
+    result = _cli("--evil", "x", cwd=tmp_path)
     assert result.returncode == 2
     assert "unknown flag --evil" in result.stderr
 
@@ -112,7 +123,7 @@ def test_argv_listen_beats_environment_and_sigterm_stops(tmp_path: pathlib.Path)
 
 
 def _snapshot_of(*argv: str) -> NodeSnapshot:
-    result = run("snapshot", *argv)
+    result = _cli("snapshot", *argv)
     assert result.returncode == 0, result.stderr
     # Strict decoding: unknown fields, missing fields and wrong types all fail.
     return msgspec.json.decode(result.stdout, type=NodeSnapshot)
@@ -137,7 +148,7 @@ def test_snapshot_of_the_simulated_workstation_has_gpu_and_mig_lanes() -> None:
 
 
 def test_snapshot_with_a_missing_sim_file_fails_clearly(tmp_path: pathlib.Path) -> None:
-    result = run("snapshot", "--devices", "sim", "--sim-file", str(tmp_path / "nope.toml"))
+    result = _cli("snapshot", "--devices", "sim", "--sim-file", str(tmp_path / "nope.toml"))
     assert result.returncode == 2
     assert "--sim-file" in result.stderr and "nope.toml" in result.stderr
     assert "Traceback" not in result.stderr
@@ -151,7 +162,7 @@ def test_a_bad_sim_file_exits_2_before_anything_is_created(
     if content is not None:
         sim.write_text(content)
     state = tmp_path / "state"
-    result = run(
+    result = _cli(
         "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--devices", "sim",
         "--sim-file", str(sim),
     )  # fmt: skip
@@ -163,7 +174,7 @@ def test_a_bad_sim_file_exits_2_before_anything_is_created(
 
 
 def test_a_misspelt_environment_variable_is_named_with_the_nearest_option() -> None:
-    result = run(
+    result = _cli(
         "snapshot", "--devices", "none",
         LITEGRAPH_NODE_SHUTDOWN_GRCE="5", LITEGRAPH_NODE_ZZZZZZ="1", LITEGRAPH_NODE_LISTEN="x",
     )  # fmt: skip

@@ -1,4 +1,6 @@
-"""`dev` says, in its start-up banner, when its devices are simulated and why."""
+"""`dev` says, in its start-up banner, when its devices are simulated and why: here where
+NVML fails, each with a pynvml of its own; `--devices sim` asked for on purpose is
+tests/integration/test_cli_client.py's, on its shared daemon."""
 
 from __future__ import annotations
 
@@ -52,15 +54,5 @@ def test_dev_says_its_devices_are_simulated_and_why(
         line = wait_for_line(proc, r"(  devices: .*)")
         assert "SIMULATED" in line and "not real hardware" in line, line
         assert why in line, line
-        assert stop(proc, signal.SIGINT) == 0
-        rest_of_stderr(proc)
-
-
-def test_dev_on_purpose_sim_says_it_was_asked_for(tmp_path: pathlib.Path) -> None:
-    env = clean_env(LITEGRAPH_NODE_STATE_DIR=str(tmp_path / "state"))
-    argv = node_command("dev", "--listen", "127.0.0.1:0", "--devices", "sim")
-    with spawned(argv, env) as proc:
-        line = wait_for_line(proc, r"(  devices: .*)")
-        assert "SIMULATED" in line and "--devices sim" in line, line
         assert stop(proc, signal.SIGINT) == 0
         rest_of_stderr(proc)
