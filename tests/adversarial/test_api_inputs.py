@@ -7,7 +7,7 @@ memory, ledger, journal -- is compared with the state before it.
 
 from __future__ import annotations
 
-import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,11 +17,13 @@ from tests.adversarial.fixtures import (
     error_code,
     http_request,
     raw_request,
-    running_node,
     sleep_request,
 )
+from tests.adversarial.shared_daemon import SharedDaemon, shared_daemon
 
-pytestmark = pytest.mark.hostile("api")
+# Every test here is refused at the edge or makes one invocation of its own: they share
+# one daemon (a daemon per test cost a second each), on one worker.
+pytestmark = [pytest.mark.hostile("api"), pytest.mark.xdist_group("api_inputs")]
 
 HOSTILE_IDS = {
     "traversal": "../../etc/passwd",
@@ -52,16 +54,23 @@ HOSTILE_IDS = {
 }
 
 
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDaemon]:
+    """One daemon for the module; each test's `daemon.node()` hands it back as it found it."""
+    with shared_daemon(tmp_path_factory.mktemp("api-inputs")) as shared:
+        yield shared
+
+
 async def _nothing_changed(node: Node, before: Any) -> None:
     assert await node.state() == before
 
 
-# Each case below is one request against one daemon for all of them (a daemon per case
-# cost a second each); the state is compared after every request, the case named.
+# Each case below is one request against the module's daemon; the state is compared
+# after every request, the case named.
 
 
-async def test_api_hostile_invocation_id_in_body_refused_422(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_api_hostile_invocation_id_in_body_refused_422(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         before = await node.state()
         for ident, value in sorted(HOSTILE_IDS.items()):
             reply = await node.client.post(
@@ -89,9 +98,9 @@ _PATH_IDS = {
 
 
 async def test_api_hostile_invocation_id_in_path_never_found_never_5xx(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         await node.submit(sleep_request("victim"))
         before = await node.state()
         seen: dict[str, int] = {}
@@ -119,9 +128,9 @@ async def test_api_hostile_invocation_id_in_path_never_found_never_5xx(
         assert len(seen) == 2 * len(_PATH_IDS)
 
 
-async def test_api_hostile_lane_id_in_path_never_reaches_a_lane(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
-        accepted = await node.submit(sleep_request("holder"))
+async def test_api_hostile_lane_id_in_path_never_reaches_a_lane(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        accepted = await node.submit(sleep_request("lane-path-holder"))
         lane, token = next(iter(accepted["tokens"].items()))
         hostile = [
             "..%2F" + lane,
@@ -170,8 +179,8 @@ MALFORMED = [
 ]
 
 
-async def test_api_malformed_json_refused_400_or_422(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_api_malformed_json_refused_400_or_422(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         before = await node.state()
         for body in MALFORMED:
             reply = await node.client.post(
@@ -228,8 +237,8 @@ WRONG = {
 }
 
 
-async def test_api_wrong_types_and_huge_numbers_refused(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_api_wrong_types_and_huge_numbers_refused(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         before = await node.state()
         for case, (path, value) in sorted(WRONG.items()):
             reply = await node.client.post(
@@ -240,9 +249,9 @@ async def test_api_wrong_types_and_huge_numbers_refused(tmp_path: pathlib.Path) 
 
 
 async def test_api_float_edge_literals_in_timeout_refused_or_sane(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         before = await node.state()
         for literal in ["1e309", "-1e309", "1e400", "-0.0", "1.0e-400", "NaN"]:
             body = (
@@ -260,8 +269,8 @@ async def test_api_float_edge_literals_in_timeout_refused_or_sane(
             assert await node.state() == before, literal
 
 
-async def test_api_lane_work_hostile_sizes_refused(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_api_lane_work_hostile_sizes_refused(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         accepted = await node.submit(
             sleep_request(
                 "gpu",
@@ -283,15 +292,18 @@ async def test_api_lane_work_hostile_sizes_refused(tmp_path: pathlib.Path) -> No
             assert await node.state() == before, literal
 
 
-async def test_api_duplicate_keys_give_one_consistent_invocation(tmp_path: pathlib.Path) -> None:
+async def test_api_duplicate_keys_give_one_consistent_invocation(daemon: SharedDaemon) -> None:
     """Whatever the decoder keeps, the id answered, listed and reserved is one and the same."""
     body = (
         b'{"id":"first","id":"second",'
         b'"work":{"kind":"builtin","name":"sleep","args":{"seconds":60}},'
         b'"resources":{"cpu_millis":10,"memory_bytes":1048576,"cpu_millis":30}}'
     )
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         base = await node.capacity()
+        # The shared daemon lists earlier tests' invocations (ended): only new ones count.
+        listed, reserved_before = await node.invocation_ids(), node.ledger_reservations()
+        assert node.journal_reservations() == reserved_before
         reply = await node.client.post(
             "/v1/invocations", content=body, headers={**node.op, "Content-Type": "application/json"}
         )
@@ -302,10 +314,10 @@ async def test_api_duplicate_keys_give_one_consistent_invocation(tmp_path: pathl
         kept = reply.json()["id"]
         assert kept in ("first", "second")
         other = "first" if kept == "second" else "second"
-        assert await node.invocation_ids() == {kept}
+        assert await node.invocation_ids() == listed | {kept}
         missing = await node.client.get(f"/v1/invocations/{other}", headers=node.op)
         assert missing.status_code == 404
-        assert node.ledger_reservations() == node.journal_reservations() == {kept}
+        assert node.ledger_reservations() == node.journal_reservations() == reserved_before | {kept}
         reserved = (await node.capacity())["cpu_millis"]["allocated"] - base["cpu_millis"][
             "allocated"
         ]
@@ -320,14 +332,14 @@ async def test_api_duplicate_keys_give_one_consistent_invocation(tmp_path: pathl
         ] + reserved
 
 
-async def test_api_duplicate_work_keys_keep_one_kind(tmp_path: pathlib.Path) -> None:
+async def test_api_duplicate_work_keys_keep_one_kind(daemon: SharedDaemon) -> None:
     body = (
         b'{"id":"dup-work",'
         b'"work":{"kind":"process","argv":["/bin/false"]},'
         b'"work":{"kind":"builtin","name":"sleep","args":{"seconds":60}},'
         b'"resources":{"cpu_millis":10,"memory_bytes":1048576}}'
     )
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         reply = await node.client.post(
             "/v1/invocations", content=body, headers={**node.op, "Content-Type": "application/json"}
         )
@@ -342,9 +354,9 @@ async def test_api_duplicate_work_keys_keep_one_kind(tmp_path: pathlib.Path) -> 
     [("text/plain", 415), ("application/x-www-form-urlencoded", 415), (None, 415)],
 )
 async def test_api_non_json_content_type_refused(
-    tmp_path: pathlib.Path, content_type: str | None, status: int
+    daemon: SharedDaemon, content_type: str | None, status: int
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         before = await node.state()
         raw = http_request(
             "POST",
@@ -374,9 +386,9 @@ async def test_api_non_json_content_type_refused(
     ids=["bare", "empty", "lowercase", "suffix", "prefix", "basic", "nul", "two", "cyrillic"],
 )
 async def test_api_operator_credential_variants_refused_401(
-    tmp_path: pathlib.Path, header: str
+    daemon: SharedDaemon, header: str
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         before = await node.state()
         value = header.format(s=node.scheduler, p=node.scheduler[:-1], r=node.scheduler[1:])
         raw = http_request(
@@ -396,12 +408,12 @@ def _deep(depth: int) -> bytes:
 
 @pytest.mark.parametrize("depth", [1000, 20000])
 async def test_api_deeply_nested_json_in_submission_refused_4xx(
-    tmp_path: pathlib.Path, depth: int
+    daemon: SharedDaemon, depth: int
 ) -> None:
     body = (
         b'{"id":"deep","work":{"kind":"builtin","name":"sleep","args":{"x":' + _deep(depth) + b"}}}"
     )
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         before = await node.state()
         reply = await node.client.post(
             "/v1/invocations", content=body, headers={**node.op, "Content-Type": "application/json"}
@@ -410,9 +422,9 @@ async def test_api_deeply_nested_json_in_submission_refused_4xx(
         assert reply.status_code in (400, 413, 422), reply.text
 
 
-async def test_api_deeply_nested_json_in_lane_work_refused_4xx(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
-        accepted = await node.submit(sleep_request("holder"))
+async def test_api_deeply_nested_json_in_lane_work_refused_4xx(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        accepted = await node.submit(sleep_request("deep-work-holder"))
         lane, token = next(iter(accepted["tokens"].items()))
         before = await node.state()
         reply = await node.client.post(
@@ -436,12 +448,12 @@ FRAMING = {
 
 @pytest.mark.parametrize("shape", sorted(FRAMING))
 async def test_api_ambiguous_framing_refused_by_the_parser(
-    tmp_path: pathlib.Path, shape: str
+    daemon: SharedDaemon, shape: str
 ) -> None:
     """Request-smuggling shapes never reach a handler: 400, or 501 for a transfer coding
     the server does not implement (RFC 9112 section 6.1), and nothing is admitted."""
     body = b'{"id":"smuggled","work":{"kind":"builtin","name":"sleep"}}'
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         before = await node.state()
         head = (
             "POST /v1/invocations HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"

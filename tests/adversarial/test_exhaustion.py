@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pathlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -24,7 +24,6 @@ from api.server import hypercorn_config
 from node.daemon import http_settings
 from tests.adversarial.fixtures import (
     MiB,
-    Node,
     bearer,
     config_for,
     error_code,
@@ -33,15 +32,30 @@ from tests.adversarial.fixtures import (
     http_request,
     raw_request,
     rss,
-    running_node,
     sleep_request,
     subprocess_node,
 )
+from tests.adversarial.shared_daemon import SharedDaemon, SharedNode, shared_daemon, until
+from tests.lane_doubles import InProcessHost, InProcessHosts
 
-pytestmark = pytest.mark.hostile("exhaustion")
+# The in-process tests share two daemons (one with short HTTP timeouts), each handed
+# back as it was found (`SharedDaemon.node`): one worker runs them all.
+pytestmark = [pytest.mark.hostile("exhaustion"), pytest.mark.xdist_group("exhaustion")]
 
 FLOOD = 500
 RSS_BOUND = 32 * MiB
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDaemon]:
+    """The module's daemon. Its lanes get in-process test hosts, whose `sleep` kernel
+    holds a lane (a real host has none); every other test here is refused or answered
+    before any lane host is asked anything."""
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as patch:  # the factory is taken at start
+            patch.setattr(node.daemon, "lane_host_factory", lambda *_a, **_k: InProcessHosts())
+            shared = stack.enter_context(shared_daemon(tmp_path_factory.mktemp("exhaustion")))
+        yield shared
 
 
 # --- submissions ------------------------------------------------------------------------
@@ -101,8 +115,8 @@ async def test_exhaustion_submission_flood_429_retry_after_rss_bounded(
             assert capacity == baseline
 
 
-async def test_exhaustion_resubmitting_one_id_reserves_once(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_exhaustion_resubmitting_one_id_reserves_once(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         base = await node.capacity()
         replies = await _flood(node.url, node.op, [sleep_request("same")] * 100)
         assert {r.status_code for r in replies} == {202}
@@ -143,48 +157,65 @@ async def _subscribe(url: str, secret: str) -> AsyncIterator[tuple[int, dict[str
         yield int(head[0].split(" ")[1]), headers
 
 
-async def test_exhaustion_event_subscribers_beyond_cap_429(tmp_path: pathlib.Path) -> None:
+def _subscribers(running: SharedNode) -> int:
+    hub = running.daemon.context.events
+    assert hub is not None
+    return running.inside(lambda: hub.subscriber_count)
+
+
+async def test_exhaustion_event_subscribers_beyond_cap_429(daemon: SharedDaemon) -> None:
     cap = node.daemon.EVENT_SUBSCRIBERS
-    async with running_node(tmp_path) as running, contextlib.AsyncExitStack() as stack:
-        hub = running.daemon.context.events
-        assert hub is not None
+    async with daemon.node() as running, contextlib.AsyncExitStack() as stack:
+        assert _subscribers(running) == 0
         for _ in range(cap):
             status, _ = await stack.enter_async_context(_subscribe(running.url, running.scheduler))
             assert status == 200
-        assert hub.subscriber_count == cap
+        assert _subscribers(running) == cap
         for _ in range(cap):  # a flood beyond the cap: each refused at once
             async with _subscribe(running.url, running.scheduler) as (status, headers):
                 assert status == 429
                 assert int(headers["retry-after"]) >= 1
-        assert hub.subscriber_count == cap
+        assert _subscribers(running) == cap
         await stack.aclose()
-        with trio.fail_after(5):
-            while hub.subscriber_count:  # the server notices the hang-ups
-                await running.client.get("/healthz")
-                await trio.sleep(0.02)
+        # The server notices the hang-ups.
+        await until(lambda: _subscribers(running) == 0, "every hang-up noticed", 5)
         async with _subscribe(running.url, running.scheduler) as (status, _):
             assert status == 200
 
 
-async def test_exhaustion_unauthenticated_subscribers_take_no_slot(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as running:
+async def test_exhaustion_unauthenticated_subscribers_take_no_slot(daemon: SharedDaemon) -> None:
+    async with daemon.node() as running:
         for _ in range(node.daemon.EVENT_SUBSCRIBERS + 5):
             async with _subscribe(running.url, "not-a-secret") as (status, _):
                 assert status == 401
-        hub = running.daemon.context.events
-        assert hub is not None and hub.subscriber_count == 0
+        assert _subscribers(running) == 0
 
 
 # --- lane queue ---------------------------------------------------------------------------
 
 
-async def _lane_flood(node: Node, extra: int) -> tuple[list[httpx.Response], str, str]:
-    accepted = await node.submit(gpu_request("lane-flood"))
+def _kernel_running(node: SharedNode, lane: str) -> Callable[[], bool]:
+    """Whether a kernel has started on one of the lane's in-process hosts."""
+    sup = node.daemon.supervisor
+    assert sup is not None
+    hosts = node.inside(lambda: sup.owners[lane]._host_factory)
+    assert isinstance(hosts, InProcessHosts)
+
+    def started() -> bool:
+        made: list[InProcessHost] = hosts.made[lane]
+        return any(host.deadlines for host in made)
+
+    return lambda: node.inside(started)
+
+
+async def _lane_flood(
+    node: SharedNode, invocation_id: str, extra: int
+) -> tuple[list[httpx.Response], str, str]:
+    accepted = await node.submit(gpu_request(invocation_id))
     lane, token = next(iter(accepted["tokens"].items()))
     sup = node.daemon.supervisor
     assert sup is not None
-    owner = sup.owners[lane]
-    queue = owner.share
+    queue = node.inside(lambda: sup.owners[lane].share)
     replies: list[httpx.Response] = []
     limits = httpx.Limits(max_connections=queue + extra + 8)
     async with httpx.AsyncClient(base_url=node.url, timeout=30, limits=limits) as client:
@@ -197,17 +228,15 @@ async def _lane_flood(node: Node, extra: int) -> tuple[list[httpx.Response], str
         async with trio.open_nursery() as nursery:
             # One long kernel holds the owner; everything else queues behind it.
             nursery.start_soon(work, {"op": "execute", "kernel": "sleep", "args": {"seconds": 1.5}})
-            await trio.sleep(0.3)  # the long kernel is now running in the owner
+            await until(_kernel_running(node, lane), "the long kernel running in the owner")
             for _ in range(queue + extra):
                 nursery.start_soon(work, {"op": "execute", "kernel": "noop"})
     return replies, lane, token
 
 
-async def test_exhaustion_lane_queue_flood_429_lane_busy(
-    tmp_path: pathlib.Path, in_process_lane_hosts: None
-) -> None:
-    async with running_node(tmp_path) as node:
-        replies, lane, _ = await _lane_flood(node, extra=40)
+async def test_exhaustion_lane_queue_flood_429_lane_busy(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        replies, lane, _ = await _lane_flood(node, "lane-flood", extra=40)
         statuses = sorted({r.status_code for r in replies})
         assert statuses == [200, 429], statuses
         busy = [r for r in replies if r.status_code == 429]
@@ -216,11 +245,9 @@ async def test_exhaustion_lane_queue_flood_429_lane_busy(
         assert node.lane_bytes()[lane] == 0
 
 
-async def test_exhaustion_lane_busy_has_retry_after(
-    tmp_path: pathlib.Path, in_process_lane_hosts: None
-) -> None:
-    async with running_node(tmp_path) as node:
-        replies, _, _ = await _lane_flood(node, extra=10)
+async def test_exhaustion_lane_busy_has_retry_after(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        replies, _, _ = await _lane_flood(node, "lane-busy", extra=10)
         busy = [r for r in replies if r.status_code == 429]
         assert busy
         for reply in busy:
@@ -228,9 +255,10 @@ async def test_exhaustion_lane_busy_has_retry_after(
 
 
 async def test_exhaustion_junk_tokens_take_no_place_in_a_lane_queue(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path) as node:
+    # An in-process host's `sleep` holds the owner (a real host has no such kernel).
+    async with daemon.node() as node:
         lane, running = next(iter((await node.submit(gpu_request("running")))["tokens"].items()))
         tenant = (await node.submit(gpu_request("tenant")))["tokens"][lane]
         junk: list[httpx.Response] = []
@@ -243,11 +271,16 @@ async def test_exhaustion_junk_tokens_take_no_place_in_a_lane_queue(
             async def junk_work() -> None:
                 junk.append(await work("v4.public.junk", {"op": "execute"}))
 
+            held: list[httpx.Response] = []
+
+            async def hold(body: dict[str, Any]) -> None:
+                held.append(await work(running, body))
+
             async with trio.open_nursery() as nursery:
                 # A long kernel holds the owner while the junk arrives.
                 slow = {"op": "execute", "kernel": "sleep", "args": {"seconds": 1.5}}
-                nursery.start_soon(work, running, slow)
-                await trio.sleep(0.3)
+                nursery.start_soon(hold, slow)
+                await until(_kernel_running(node, lane), "the long kernel running in the owner")
                 # Refused, never queued: queued junk would meet a full queue (429).
                 with trio.fail_after(10):
                     async with trio.open_nursery() as flood:
@@ -257,12 +290,13 @@ async def test_exhaustion_junk_tokens_take_no_place_in_a_lane_queue(
                 assert {error_code(r) for r in junk} == {"bad_encoding"}
                 served = await work(tenant, {"op": "execute", "kernel": "noop"})
                 assert served.status_code == 200, served.text
+        assert [r.status_code for r in held] == [200], [r.text for r in held]
 
 
 async def test_exhaustion_lane_work_without_a_valid_token_is_refused_before_the_body(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         lane = (await node.lanes("gpu"))[0]
         target = f"/v1/lanes/{lane}/work"
         for headers, body in (
@@ -292,8 +326,8 @@ def _chunked(target: str, headers: dict[str, str], size: int) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body + b"0\r\n\r\n"
 
 
-async def test_exhaustion_oversized_bodies_413(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_exhaustion_oversized_bodies_413(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         accepted = await node.submit(sleep_request("holder"))
         lane, token = next(iter(accepted["tokens"].items()))
         before = await node.state()
@@ -318,9 +352,9 @@ async def test_exhaustion_oversized_bodies_413(tmp_path: pathlib.Path) -> None:
 
 
 async def test_exhaustion_oversized_headers_refused_server_survives(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         before = await node.state()
         huge = http_request(
             "GET", "/v1/snapshot", headers={"Authorization": "Bearer " + "a" * 64 * 1024}
@@ -351,17 +385,19 @@ def test_exhaustion_server_timeouts_are_finite(tmp_path: pathlib.Path) -> None:
 SHORT = 1.0
 
 
-@pytest.fixture
-def short_timeouts() -> tuple[str, ...]:
-    """The daemon's own timeout options, shortened (tests cannot wait 30 s)."""
-    return (
+@pytest.fixture(scope="module")
+def short_timeouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDaemon]:
+    """A daemon with its own timeout options shortened (tests cannot wait 30 s)."""
+    with shared_daemon(
+        tmp_path_factory.mktemp("short-timeouts"),
         "--http-read-timeout",
         str(SHORT),
         "--http-keep-alive",
         str(SHORT),
         "--http-body-timeout",
         str(2 * SHORT),
-    )
+    ) as shared:
+        yield shared
 
 
 class Cut:
@@ -412,26 +448,26 @@ async def _slow_client(url: str, first: bytes, drip: bytes, seconds: float) -> C
 
 
 async def test_exhaustion_idle_connection_disconnected(
-    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
+    short_timeouts: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path, *short_timeouts) as node:
+    async with short_timeouts.node() as node:
         cut = await _slow_client(node.url, b"", b"", 5 * SHORT)
         assert cut.seconds < 3 * SHORT and cut.received == b""
 
 
 async def test_exhaustion_slowloris_header_drip_disconnected(
-    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
+    short_timeouts: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path, *short_timeouts) as node:
+    async with short_timeouts.node() as node:
         drip = b"X-Slow: " + b"a" * 200  # 40 s of headers at one byte per 0.2 s
         cut = await _slow_client(node.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n", drip, 10)
         assert cut.seconds < 4 * SHORT and cut.status in (None, 408)
 
 
 async def test_exhaustion_body_never_finished_disconnected(
-    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
+    short_timeouts: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path, *short_timeouts) as node:
+    async with short_timeouts.node() as node:
         before = await node.state()
         head = http_request(
             "POST",
@@ -445,9 +481,9 @@ async def test_exhaustion_body_never_finished_disconnected(
 
 
 async def test_exhaustion_body_drip_cut_by_body_timeout(
-    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
+    short_timeouts: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path, *short_timeouts) as node:
+    async with short_timeouts.node() as node:
         before = await node.state()
         head = http_request(
             "POST",
@@ -464,9 +500,9 @@ async def test_exhaustion_body_drip_cut_by_body_timeout(
 
 
 async def test_exhaustion_body_drip_hung_up_after_408(
-    tmp_path: pathlib.Path, short_timeouts: tuple[str, ...]
+    short_timeouts: SharedDaemon,
 ) -> None:
-    async with running_node(tmp_path, *short_timeouts) as node:
+    async with short_timeouts.node() as node:
         head = http_request(
             "POST",
             "/v1/invocations",

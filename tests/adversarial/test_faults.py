@@ -62,6 +62,17 @@ def _journal_copy(state: pathlib.Path, into: pathlib.Path) -> tuple[set[str], se
     return set(replay.reservations), set(replay.processes)
 
 
+def _sleeps(pid: int) -> int:
+    """The daemon's descendants running `sleep` (what `_process`'s shells start)."""
+    count = 0
+    for child in descendants(pid):
+        try:
+            count += pathlib.Path(child.cmdline()[0]).name == "sleep"
+        except (psutil.Error, IndexError):
+            continue
+    return count
+
+
 def _guests(pid: int) -> list[psutil.Process]:
     """The daemon's descendants but its lane hosts, which are up before it is ready."""
     out = []
@@ -93,13 +104,13 @@ def test_faults_sigkill_journal_holds_every_acknowledged_grant_then_restart_rele
         ):
             reply = client.post("/v1/invocations", json=body)
             assert reply.status_code == 202, reply.text
+        # A guest's argv runs only once its start is journaled: once both shells have
+        # started their two sleeps, both process-started records are in.
         deadline = time.monotonic() + 10
-        while len(_guests(proc.pid)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while _sleeps(proc.pid) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
         orphans = _guests(proc.pid)
         assert len(orphans) >= 4
-        # Give the process-started records their moment (journaled beside the run).
-        time.sleep(0.3)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     reservations, pids = _journal_copy(state, tmp_path / "copy")
@@ -320,6 +331,9 @@ async def test_faults_lane_owner_crash_answers_a_documented_status(
 
 
 # --- NVML failing mid-run --------------------------------------------------------------------
+# The fake NVML's GPUs get in-process lane hosts: a real host on a GPU the fake makes up
+# cannot run CUDA, and would leave its lane faulted (cuda_unavailable) from the start,
+# its lane work refused whatever NVML says.
 
 
 def _fake_nvml() -> FakeNvml:
@@ -344,7 +358,7 @@ def _device_lane(snapshot: dict[str, Any], device: str) -> str:
 
 
 async def test_faults_gpu_lost_mid_run_leaves_allocatable_and_never_reads_healthy(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
 ) -> None:
     fake = _fake_nvml()
     async with running_node(tmp_path, devices="nvml", pynvml_module=fake) as running:
@@ -399,7 +413,7 @@ async def test_faults_gpu_lost_mid_run_leaves_allocatable_and_never_reads_health
     ],
 )
 async def test_faults_nvml_errors_mid_run_make_gpu_unknown_not_healthy(
-    tmp_path: pathlib.Path, failure: str
+    tmp_path: pathlib.Path, failure: str, in_process_lane_hosts: None
 ) -> None:
     fake = _fake_nvml()
     async with running_node(tmp_path, devices="nvml", pynvml_module=fake) as running:
@@ -426,7 +440,7 @@ async def test_faults_nvml_errors_mid_run_make_gpu_unknown_not_healthy(
 
 
 async def test_faults_a_field_nvml_refuses_mid_run_leaves_the_gpu_healthy_and_allocatable(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, in_process_lane_hosts: None
 ) -> None:
     fake = _fake_nvml()
     async with running_node(tmp_path, devices="nvml", pynvml_module=fake) as running:

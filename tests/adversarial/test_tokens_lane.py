@@ -8,8 +8,8 @@ invocations, live tokens, lane memory, ledger and journal.
 from __future__ import annotations
 
 import json
-import pathlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,7 +22,6 @@ from capabilities import paseto
 from capabilities.claims import from_unix
 from tests.adversarial.fixtures import (
     GiB,
-    Node,
     bearer,
     claims_of,
     craft,
@@ -30,37 +29,56 @@ from tests.adversarial.fixtures import (
     fresh_kid,
     gpu_request,
     kid_footer,
-    running_node,
     sleep_request,
     wait_for_state,
 )
+from tests.adversarial.shared_daemon import SharedDaemon, SharedNode, shared_daemon
 
-pytestmark = pytest.mark.hostile("tokens")
+# One daemon for the module, handed back to each test as it was found
+# (`SharedDaemon.node`); one worker runs them all.
+pytestmark = [pytest.mark.hostile("tokens"), pytest.mark.xdist_group("tokens_lane")]
 
 NOOP = {"op": "execute", "kernel": "noop"}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDaemon]:
+    with shared_daemon(tmp_path_factory.mktemp("tokens-lane")) as shared:
+        yield shared
+
+
+def _gpu(invocation_id: str, vram: int = GiB, seconds: float = 60) -> dict[str, Any]:
+    """A GPU sleeper whose lane sessions start in a fraction of a second: their hosts
+    (an interpreter and NumPy) run under its CPU quota, which at `gpu_request`'s fifth
+    of a CPU takes a second or more to start one."""
+    body = gpu_request(invocation_id, vram, seconds)
+    body["resources"]["cpu_millis"] = 2000
+    return body
 
 
 def _rfc3339(seconds: float) -> str:
     return from_unix(seconds).isoformat().replace("+00:00", "Z")
 
 
-def _signing_key(node: Node) -> Ed25519PrivateKey:
+def _signing_key(node: SharedNode) -> Ed25519PrivateKey:
     sup = node.daemon.supervisor
     assert sup is not None
-    return sup.tokens.keyring.signing_key()[1]
+    return node.inside(lambda: sup.tokens.keyring.signing_key()[1])
 
 
-def _node_id(node: Node) -> str:
+def _node_id(node: SharedNode) -> str:
     sup = node.daemon.supervisor
     assert sup is not None
-    return sup.tokens.node_id
+    return node.inside(lambda: sup.tokens.node_id)
 
 
-async def _work(node: Node, lane: str, token: str, body: dict[str, Any] = NOOP) -> httpx.Response:
+async def _work(
+    node: SharedNode, lane: str, token: str, body: dict[str, Any] = NOOP
+) -> httpx.Response:
     return await node.client.post(f"/v1/lanes/{lane}/work", json=body, headers=bearer(token))
 
 
-def _variants(node: Node, token: str) -> dict[str, tuple[str, int, str]]:
+def _variants(node: SharedNode, token: str) -> dict[str, tuple[str, int, str]]:
     """name -> (hostile token, status, code), all derived from one genuine GPU token."""
     claims = claims_of(token)
     footer = paseto.parse(token).footer
@@ -140,9 +158,9 @@ def _variants(node: Node, token: str) -> dict[str, tuple[str, int, str]]:
     }
 
 
-async def test_lane_hostile_tokens_refused_and_nothing_changes(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
-        accepted = await node.submit(gpu_request("holder"))
+async def test_lane_hostile_tokens_refused_and_nothing_changes(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        accepted = await node.submit(_gpu("hostile-holder"))
         lane, token = next(iter(accepted["tokens"].items()))
         before = await node.state()
         tried = 0
@@ -159,9 +177,9 @@ async def test_lane_hostile_tokens_refused_and_nothing_changes(tmp_path: pathlib
         assert (await _work(node, lane, token)).status_code == 200
 
 
-async def test_lane_token_for_another_lane_refused_403(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
-        accepted = await node.submit(gpu_request("holder"))
+async def test_lane_token_for_another_lane_refused_403(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        accepted = await node.submit(_gpu("audience-holder"))
         lane, token = next(iter(accepted["tokens"].items()))
         others = [other for other in await node.lanes("mig") if other != lane]
         before = await node.state()
@@ -172,10 +190,10 @@ async def test_lane_token_for_another_lane_refused_403(tmp_path: pathlib.Path) -
         assert await node.state() == before
 
 
-async def test_lane_live_jti_resigned_for_another_lane_refused_401(tmp_path: pathlib.Path) -> None:
+async def test_lane_live_jti_resigned_for_another_lane_refused_401(daemon: SharedDaemon) -> None:
     """With the signing key, a live token re-signed for another lane once did work there."""
-    async with running_node(tmp_path) as node:
-        accepted = await node.submit(gpu_request("holder"))
+    async with daemon.node() as node:
+        accepted = await node.submit(_gpu("resigned-holder"))
         lane, token = next(iter(accepted["tokens"].items()))
         key, footer = _signing_key(node), paseto.parse(token).footer
         before = await node.state()
@@ -190,8 +208,8 @@ async def test_lane_live_jti_resigned_for_another_lane_refused_401(tmp_path: pat
         assert (await _work(node, lane, token)).status_code == 200
 
 
-async def test_lane_cpu_token_asking_memory_reserve_refused(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_lane_cpu_token_asking_memory_reserve_refused(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         accepted = await node.submit(sleep_request("cpu-holder"))
         lane, token = next(iter(accepted["tokens"].items()))
         assert lane in await node.lanes("cpu")
@@ -207,9 +225,9 @@ async def test_lane_cpu_token_asking_memory_reserve_refused(tmp_path: pathlib.Pa
         assert await node.state() == before
 
 
-async def test_lane_vram_beyond_budget_refused_cumulatively(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
-        accepted = await node.submit(gpu_request("vram", vram=GiB))
+async def test_lane_vram_beyond_budget_refused_cumulatively(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        accepted = await node.submit(_gpu("vram", vram=GiB))
         lane, token = next(iter(accepted["tokens"].items()))
         half = await _work(
             node, lane, token, {"op": "memory_reserve", "dtype": "uint8", "shape": [GiB // 2]}
@@ -229,14 +247,14 @@ async def test_lane_vram_beyond_budget_refused_cumulatively(tmp_path: pathlib.Pa
         assert node.lane_bytes()[lane] == GiB // 2
 
 
-async def test_lane_buffer_theft_on_a_shared_lane_is_404(tmp_path: pathlib.Path) -> None:
+async def test_lane_buffer_theft_on_a_shared_lane_is_404(daemon: SharedDaemon) -> None:
     """Two invocations pinned onto the one full GPU lane (the others drained)."""
-    async with running_node(tmp_path) as node:
+    async with daemon.node() as node:
         gpu_lane = (await node.lanes("gpu"))[0]
         for lane in await node.lanes("mig"):
             assert (await node.client.post(f"/v1/lanes/{lane}/drain", headers=node.adm)).is_success
-        owner = await node.submit(gpu_request("owner", vram=GiB))
-        thief = await node.submit(gpu_request("thief", vram=GiB))
+        owner = await node.submit(_gpu("owner", vram=GiB))
+        thief = await node.submit(_gpu("thief", vram=GiB))
         assert list(owner["tokens"]) == list(thief["tokens"]) == [gpu_lane]
         reserve = await _work(
             node,
@@ -270,10 +288,10 @@ async def test_lane_buffer_theft_on_a_shared_lane_is_404(tmp_path: pathlib.Path)
         assert mine.status_code == 200 and mine.json()["bytes_held"] == 0
 
 
-async def test_lane_token_replayed_after_invocation_ended_refused(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_lane_token_replayed_after_invocation_ended_refused(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         baseline = await node.state()
-        accepted = await node.submit(gpu_request("short", seconds=2))
+        accepted = await node.submit(_gpu("short", seconds=2))
         lane, token = next(iter(accepted["tokens"].items()))
         assert (
             await _work(
@@ -291,10 +309,10 @@ async def test_lane_token_replayed_after_invocation_ended_refused(tmp_path: path
         assert after.ledger == after.journal == frozenset()
 
 
-async def test_lane_token_replayed_after_cancel_refused(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
+async def test_lane_token_replayed_after_cancel_refused(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
         baseline = await node.state()
-        accepted = await node.submit(gpu_request("cancelled"))
+        accepted = await node.submit(_gpu("cancelled"))
         lane, token = next(iter(accepted["tokens"].items()))
         assert (
             await _work(
@@ -311,9 +329,9 @@ async def test_lane_token_replayed_after_cancel_refused(tmp_path: pathlib.Path) 
         assert after.live_tokens == 0
 
 
-async def test_lane_operator_secret_is_not_a_capability(tmp_path: pathlib.Path) -> None:
-    async with running_node(tmp_path) as node:
-        accepted = await node.submit(gpu_request("holder"))
+async def test_lane_operator_secret_is_not_a_capability(daemon: SharedDaemon) -> None:
+    async with daemon.node() as node:
+        accepted = await node.submit(_gpu("secret-holder"))
         lane = next(iter(accepted["tokens"]))
         before = await node.state()
         for secret in (node.admin, node.scheduler, "v4.public.", "null", "v4.public.."):

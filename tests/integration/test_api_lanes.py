@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ import node.daemon
 from api.errors import ErrorEnvelope
 from machine.lanes import LaneKind
 from supervisor.lane_work import LaneWorkReply, TokenReply
+from tests.adversarial.shared_daemon import SharedDaemon, SharedNode, shared_daemon
 from tests.api_fixtures import (
     RunningDaemon,
     bearer,
@@ -24,7 +26,18 @@ from tests.api_fixtures import (
     settled_snapshot,
 )
 
+# The tests that need no daemon of their own share one, handed back to each as it was
+# found (`SharedDaemon.node`): one worker runs the module.
+pytestmark = pytest.mark.xdist_group("api_lanes")
+
 GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDaemon]:
+    """Tokens live 600 s here (`test_a_refresh_early_in_the_token_life_is_429...`)."""
+    with shared_daemon(tmp_path_factory.mktemp("api-lanes"), "--token-ttl", "600") as shared:
+        yield shared
 
 
 def error_code(reply: httpx.Response) -> str:
@@ -32,26 +45,28 @@ def error_code(reply: httpx.Response) -> str:
 
 
 def gpu_request(invocation_id: str, vram: int = GiB, **fields: Any) -> dict[str, Any]:
+    # Its lane sessions' hosts (an interpreter and NumPy) start under its CPU quota:
+    # at a tenth of a CPU one took three seconds to start, at two CPUs a fraction of one.
     return builtin_request(
         invocation_id,
         args={"seconds": 60},
         requirement="gpu",
-        resources={"cpu_millis": 100, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": vram},
+        resources={"cpu_millis": 2000, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": vram},
         **fields,
     )
 
 
-async def submit(client: httpx.AsyncClient, node: RunningDaemon, body: dict[str, Any]) -> Any:
+async def submit(
+    client: httpx.AsyncClient, node: RunningDaemon | SharedNode, body: dict[str, Any]
+) -> Any:
     reply = await client.post("/v1/invocations", json=body, headers=bearer(node.scheduler))
     assert reply.status_code == 202, reply.text
     return reply.json()
 
 
-async def test_token_holder_reserves_memory_and_executes(tmp_path: pathlib.Path) -> None:
-    async with (
-        running_daemon(tmp_path) as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+async def test_token_holder_reserves_memory_and_executes(daemon: SharedDaemon) -> None:
+    async with daemon.node(client_timeout=5) as node:
+        client = node.client
         accepted = await submit(client, node, gpu_request("g1"))
         lane, token = next(iter(accepted["tokens"].items()))
         reserve = await client.post(
@@ -84,11 +99,9 @@ async def test_token_holder_reserves_memory_and_executes(tmp_path: pathlib.Path)
         assert over.status_code == 403 and error_code(over) == "vram_over_budget"
 
 
-async def test_missing_garbage_and_foreign_tokens_are_refused(tmp_path: pathlib.Path) -> None:
-    async with (
-        running_daemon(tmp_path) as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+async def test_missing_garbage_and_foreign_tokens_are_refused(daemon: SharedDaemon) -> None:
+    async with daemon.node(client_timeout=5) as node:
+        client = node.client
         snapshot = await settled_snapshot(client, node.scheduler)
         cpu_lane = next(lane.lane_id for lane in snapshot.lanes if lane.kind is LaneKind.CPU)
         accepted = await submit(client, node, gpu_request("g2"))
@@ -113,33 +126,30 @@ async def test_missing_garbage_and_foreign_tokens_are_refused(tmp_path: pathlib.
 
 
 async def test_a_guests_token_over_tcp_works_only_from_a_socket_of_its_guests_uid(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
     """Over TCP the kernel's socket diagnostics name the uid at the other end, and a
     guest's token is its guest's alone: the uid that owns this test's socket is
     refused until it is the invocation's own."""
-    async with (
-        running_daemon(tmp_path) as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+    async with daemon.node(client_timeout=5) as node:
+        client = node.client
         lane, token = next(iter((await submit(client, node, gpu_request("g4")))["tokens"].items()))
         sup = node.daemon.supervisor
         assert sup is not None
-        guest = sup._live["g4"]
-        guest.uid = os.geteuid() + 1  # as a guest's start sets it: not this test's uid
+        guest = node.inside(lambda: sup._live["g4"])
+        # As a guest's start sets it: not this test's uid.
+        node.inside(lambda: setattr(guest, "uid", os.geteuid() + 1))
         noop = {"op": "execute", "kernel": "noop"}
         stolen = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token))
         assert (stolen.status_code, error_code(stolen)) == (403, "wrong_holder"), stolen.text
-        guest.uid = os.geteuid()
+        node.inside(lambda: setattr(guest, "uid", os.geteuid()))
         own = await client.post(f"/v1/lanes/{lane}/work", json=noop, headers=bearer(token))
         assert own.status_code == 200, own.text
 
 
-async def test_tokens_are_revoked_when_the_invocation_ends(tmp_path: pathlib.Path) -> None:
-    async with (
-        running_daemon(tmp_path) as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+async def test_tokens_are_revoked_when_the_invocation_ends(daemon: SharedDaemon) -> None:
+    async with daemon.node(client_timeout=5) as node:
+        client = node.client
         accepted = await submit(client, node, gpu_request("g3"))
         lane, token = next(iter(accepted["tokens"].items()))
         noop = {"op": "execute", "kernel": "noop"}
@@ -152,12 +162,10 @@ async def test_tokens_are_revoked_when_the_invocation_ends(tmp_path: pathlib.Pat
 
 
 async def test_drain_is_admin_only_and_blocks_admission_until_resume(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
-    async with (
-        running_daemon(tmp_path) as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+    async with daemon.node(client_timeout=5) as node:
+        client = node.client
         snapshot = await settled_snapshot(client, node.scheduler)
         cpu_lane = next(lane.lane_id for lane in snapshot.lanes if lane.kind is LaneKind.CPU)
         forbidden = await client.post(f"/v1/lanes/{cpu_lane}/drain", headers=bearer(node.scheduler))
@@ -224,12 +232,10 @@ async def test_a_live_invocation_trades_its_token_for_a_fresh_one(tmp_path: path
 
 
 async def test_a_refresh_early_in_the_token_life_is_429_with_retry_after(
-    tmp_path: pathlib.Path,
+    daemon: SharedDaemon,
 ) -> None:
-    async with (
-        running_daemon(tmp_path, "--token-ttl", "600") as node,
-        httpx.AsyncClient(base_url=node.url, timeout=5) as client,
-    ):
+    async with daemon.node(client_timeout=5) as node:  # tokens of 600 s
+        client = node.client
         accepted = await submit(client, node, gpu_request("early"))
         lane, token = next(iter(accepted["tokens"].items()))
         early = await client.post(f"/v1/lanes/{lane}/token", headers=bearer(token))
