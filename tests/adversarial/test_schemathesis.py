@@ -10,6 +10,7 @@ submissions cannot run anything of consequence.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import hypothesis
 import hypothesis.errors
+import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import requests
 import schemathesis
@@ -82,7 +84,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
         yield url, op
         leftovers = descendants(proc.pid)
         for child in leftovers:
-            child.kill()
+            # A ready sandbox's processes go with its bubblewrap: one may be gone already.
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 SCHEMA = schemathesis.openapi.from_dict(openapi_document())

@@ -69,8 +69,9 @@ async def test_a_gpu_lane_without_cupy_is_unhealthy_cuda_unavailable_and_runs_no
         ready = await _until(lambda: _ready(client))
         note = ready["notes"]["cuda"]
         assert note.startswith("cuda_unavailable: ") and lane["lane_id"] in note
-        # Its lane work is refused; none of it ever reached a host.
-        accepted = await submit(client, node, gpu_request("g1"))
+        # Its lane work is refused; none of it ever reached a host (so no lane session
+        # starts: a small grant fits any node).
+        accepted = await submit(client, node, gpu_request("g1", cpu_millis=100))
         lane_id, token = next(iter(accepted["tokens"].items()))
         assert lane_id == lane["lane_id"]
         owner = sup.owners[lane_id]

@@ -44,14 +44,17 @@ def error_code(reply: httpx.Response) -> str:
     return msgspec.json.decode(reply.content, type=ErrorEnvelope).error.code
 
 
-def gpu_request(invocation_id: str, vram: int = GiB, **fields: Any) -> dict[str, Any]:
+def gpu_request(
+    invocation_id: str, vram: int = GiB, cpu_millis: int = 2000, **fields: Any
+) -> dict[str, Any]:
     # Its lane sessions' hosts (an interpreter and NumPy) start under its CPU quota:
     # at a tenth of a CPU one took three seconds to start, at two CPUs a fraction of one.
+    resources = {"cpu_millis": cpu_millis, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": vram}
     return builtin_request(
         invocation_id,
         args={"seconds": 60},
         requirement="gpu",
-        resources={"cpu_millis": 2000, "memory_bytes": 2**20, "gpus": 1, "vram_bytes": vram},
+        resources=resources,
         **fields,
     )
 
