@@ -19,11 +19,12 @@ the daemon: its stage reads end of file when the daemon's end of the pipe closes
 restarted daemon removes what cgroups are left (`machine.model`).
 
 Bounds: at most `size` ready sandboxes in all, of the `MAX_SHAPES` most recently
-used shapes; fills run one at a time in the background,
-resting after each so that filling uses at most `cpu_share` of a core's time; the
-pool never takes a uid the running guests might need. A pool that cannot fill
-(no uid, no cgroup, a sandbox that would not start) counts the failure and the
-guest starts the direct way.
+used shapes, which share it (a full pool ends a ready sandbox of the shape holding
+most to fill another); fills run one at a time in the background, resting after
+each so that filling uses at most `cpu_share` of a core's time; the pool never
+takes a uid the running guests might need. A pool that cannot fill (no uid, no
+cgroup, a sandbox that would not start) counts the failure and the guest starts
+the direct way.
 """
 
 from __future__ import annotations
