@@ -12,7 +12,7 @@ write of the command, environment and tokens, and one exec.
 
 Each ready sandbox is used at most once: the uid comes from the same round-robin
 pool as every guest's, the cgroups are made for it (named `_pool-<state folder's
-tag>-<n>`, a name no invocation id can have), its /tmp is a new tmpfs. Nothing in
+tag>-<run>-<n>`, a name no invocation id can have), its /tmp is a new tmpfs. Nothing in
 it ran anything of a guest's before its guest's command arrived. None outlives
 the daemon: its stage reads end of file when the daemon's end of the pipe closes
 (and runs nothing), bwrap dies with the daemon (`--die-with-parent`), and a
@@ -82,7 +82,6 @@ class ReadySandbox:
     """A stage waiting for its guest: its uid, cgroup and process, and the pipe its
     command goes down (`command`, the write end; closing it unused runs nothing)."""
 
-    shape: Shape
     uid: int | None
     cgroup: InvocationCgroup | None
     proc: Child
@@ -300,7 +299,6 @@ class SandboxPool:
         # The gate opens: bubblewrap builds the sandbox, and the stage waits there.
         os.write(gate_write, b"\n")
         return ReadySandbox(
-            shape=shape,
             uid=uid,
             cgroup=cgroup,
             proc=proc,
