@@ -710,14 +710,27 @@ async def test_a_clicked_invocation_opens_its_detail_in_view_beside_the_list(
 
 
 async def click_in_row(tab: cdp.Page, invocation_id: str, part: str) -> None:
-    """Scroll the row to the window's top and click the middle of its `part`, with the mouse."""
+    """Scroll the row to the window's top and click the middle of its `part`, with the mouse.
+
+    The page may move between measuring the row and the click (a table above it drawn
+    anew under load): the row the mouse landed on is recorded, and a click that landed
+    on another is aimed again, so what is tested is what a click on this row does."""
     target = f"document.querySelector('tr[data-id={js(invocation_id)}] {part}')"
-    x, y = await tab.evaluate(
-        f"(() => {{ {target}.closest('tr').scrollIntoView({{ block: 'start' }});"
-        f" const r = {target}.getBoundingClientRect();"
-        " return [r.x + r.width / 2, r.y + r.height / 2]; })()"
-    )
-    await tab.click(x, y)
+    hit = None
+    for _ in range(3):
+        x, y = await tab.evaluate(
+            f"(() => {{ {target}.closest('tr').scrollIntoView({{ block: 'start' }});"
+            " window.lgClickedRow = null;"
+            " document.addEventListener('mousedown', (e) => { window.lgClickedRow ="
+            " e.target.closest('tr')?.dataset.id ?? ''; }, { capture: true, once: true });"
+            f" const r = {target}.getBoundingClientRect();"
+            " return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
+        await tab.click(x, y)
+        hit = await tab.evaluate("window.lgClickedRow")
+        if hit == invocation_id:
+            return
+    raise AssertionError(f"every click meant for {invocation_id} landed on {hit!r}")
 
 
 async def detail_shows(tab: cdp.Page, invocation_id: str) -> None:
