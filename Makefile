@@ -42,7 +42,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES) bench
 
+# The suite starts a few hundred Python processes (daemons, CLIs, lane hosts); compiled
+# once here, they read the bytecode even where PYTHONDONTWRITEBYTECODE is set.
 pytest: $(STAMP) $(GATE) system-test
+	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) tests bench scripts >/dev/null
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 bench: $(STAMP) $(GATE)

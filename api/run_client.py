@@ -190,13 +190,7 @@ async def follow_command(
         try:
             return await _follow(client, invocation_id, out, err)
         except BaseException as raised:
-            with trio.move_on_after(REQUEST_SECONDS, shield=True):
-                try:
-                    await client.delete(f"/v1/invocations/{invocation_id}")
-                except httpx.TransportError:
-                    _say(err, f"\n{invocation_id}: not cancelled: {_gone(base_url)}")
-                else:
-                    _say(err, f"\n{invocation_id}: cancelled")
+            _say(err, f"\n{invocation_id}: {await _cancel(client, invocation_id, base_url)}")
             if isinstance(raised, OutputClosed):
                 return BROKEN_PIPE_EXIT
             raise
@@ -204,6 +198,25 @@ async def follow_command(
 
 def _gone(base_url: str) -> str:
     return f"the node at {base_url} went away"
+
+
+async def _cancel(client: httpx.AsyncClient, invocation_id: str, base_url: str) -> str:
+    """Ask the node to cancel (Ctrl-C, or the reader left) and say what it answered:
+    the state it ended in, why it was not cancelled, or that no answer came in time."""
+    with trio.move_on_after(REQUEST_SECONDS, shield=True):
+        try:
+            reply = await client.delete(f"/v1/invocations/{invocation_id}")
+        except httpx.TimeoutException:
+            pass
+        except httpx.TransportError:
+            return f"not cancelled: {_gone(base_url)}"
+        else:
+            if reply.status_code != 200:
+                return f"not cancelled: ({reply.status_code}) {_error_text(reply)}"
+            status = msgspec.json.decode(reply.content, type=InvocationStatus)
+            reason = f" ({status.reason})" if status.reason else ""
+            return f"{status.state.value}{reason}"
+    return f"not cancelled: the node at {base_url} did not answer in {REQUEST_SECONDS:.0f} s"
 
 
 async def _wait(

@@ -242,3 +242,72 @@ async def test_an_ending_the_node_told_before_its_logs_were_cut_is_said_not_unkn
     assert said[-1] == "run-8: cancelled (shutdown)"
     assert any(line.startswith("run-8: the rest of its output was lost") for line in said)
     assert not any("unknown" in line for line in said)
+
+
+def _cancel_answered(delete: Any) -> Any:
+    """A node whose invocation runs until cancelled; `delete` answers the DELETE."""
+    inner = _node([], {"stdout": [b"1\n"], "stderr": []})
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            answer: httpx.Response = await delete(request)
+            return answer
+        if request.url.path == "/v1/invocations:wait":
+            await trio.sleep_forever()
+        reply: httpx.Response = inner(request)
+        return reply
+
+    return handler
+
+
+async def _left_reader(monkeypatch: pytest.MonkeyPatch, delete: Any) -> list[str]:
+    """`run` whose reader left: the lines it said after asking the node to cancel."""
+    _patch(monkeypatch, _cancel_answered(delete))
+    err = io.BytesIO()
+    request = InvocationRequest(id="run-9", work=ProcessWork(argv=["sleep", "60"]))
+    code = await follow_command("http://node", "s", request, out=_ClosedPipe(), err=err)
+    assert code == 141
+    return err.getvalue().decode().split()[3:]  # after "run-9: submitted" and "run-9:"
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ({"state": "cancelled", "reason": "cancel_requested"}, ["cancelled", "(cancel_requested)"]),
+        ({"state": "succeeded"}, ["succeeded"]),  # it had ended before the cancel
+    ],
+)
+async def test_a_cancel_says_the_state_the_node_answered(
+    monkeypatch: pytest.MonkeyPatch, answer: dict[str, str], said: list[str]
+) -> None:
+    async def answered(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=_status("run-9", **answer))
+
+    with trio.fail_after(5):
+        assert await _left_reader(monkeypatch, answered) == said
+
+
+async def test_a_refused_cancel_says_why_not_that_it_was_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def refused(request: httpx.Request) -> httpx.Response:
+        error = {"error": {"code": "cancel_timeout", "message": "it is being killed"}}
+        return httpx.Response(503, json=error)
+
+    with trio.fail_after(5):
+        said = " ".join(await _left_reader(monkeypatch, refused))
+    assert said.startswith("not cancelled: (503)") and "cancel_timeout" in said, said
+
+
+async def test_a_cancel_the_node_never_answers_says_so_after_its_bound(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    async def silent(request: httpx.Request) -> httpx.Response:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    start = trio.current_time()
+    said = " ".join(await _left_reader(monkeypatch, silent))
+    assert trio.current_time() - start == pytest.approx(api.run_client.REQUEST_SECONDS, abs=1)
+    assert said == "not cancelled: the node at http://node did not answer in 15 s"
+    assert "went away" not in said
