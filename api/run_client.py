@@ -200,6 +200,11 @@ def _gone(base_url: str) -> str:
     return f"the node at {base_url} went away"
 
 
+def _ending(status: InvocationStatus) -> str:
+    """Its state and, where the node gave one, why: `cancelled (shutdown)`."""
+    return f"{status.state.value} ({status.reason})" if status.reason else status.state.value
+
+
 async def _cancel(client: httpx.AsyncClient, invocation_id: str, base_url: str) -> str:
     """Ask the node to cancel (Ctrl-C, or the reader left) and say what it answered:
     the state it ended in, why it was not cancelled, or that no answer came in time."""
@@ -213,9 +218,10 @@ async def _cancel(client: httpx.AsyncClient, invocation_id: str, base_url: str) 
         else:
             if reply.status_code != 200:
                 return f"not cancelled: ({reply.status_code}) {_error_text(reply)}"
-            status = msgspec.json.decode(reply.content, type=InvocationStatus)
-            reason = f" ({status.reason})" if status.reason else ""
-            return f"{status.state.value}{reason}"
+            try:
+                return _ending(msgspec.json.decode(reply.content, type=InvocationStatus))
+            except msgspec.DecodeError:
+                return "not cancelled: the node's answer could not be read"
     return f"not cancelled: the node at {base_url} did not answer in {REQUEST_SECONDS:.0f} s"
 
 
@@ -309,8 +315,7 @@ async def _follow(
         _say(err, f"litegraph-node run: lost the invocation: {problems[0]}")
         return 1
     status = ended[0]
-    reason = f" ({status.reason})" if status.reason else ""
-    _say(err, f"{invocation_id}: {status.state.value}{reason}")
+    _say(err, f"{invocation_id}: {_ending(status)}")
     if status.logs_cut:
         _say(err, f"{invocation_id}: output cut short on the node: {status.logs_cut}")
     if status.state is InvocationState.failed and status.exit_code is not None:

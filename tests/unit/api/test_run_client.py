@@ -311,3 +311,14 @@ async def test_a_cancel_the_node_never_answers_says_so_after_its_bound(
     assert trio.current_time() - start == pytest.approx(api.run_client.REQUEST_SECONDS, abs=1)
     assert said == "not cancelled: the node at http://node did not answer in 15 s"
     assert "went away" not in said
+
+
+async def test_a_cancel_answer_that_cannot_be_read_is_not_taken_for_a_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def garbled(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"<html>proxy</html>")
+
+    with trio.fail_after(5):
+        said = " ".join(await _left_reader(monkeypatch, garbled))
+    assert said == "not cancelled: the node's answer could not be read"
