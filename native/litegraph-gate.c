@@ -16,7 +16,20 @@
  *     and "." last. A message cut short (no "."), malformed or over MAX_MESSAGE runs
  *     nothing: exit 126. Then fd 0 becomes /dev/null and the argv is executed with
  *     exactly that environment and PWD (as bwrap sets it), found on its PATH as bwrap
- *     would.
+ *     would, under the keeper (below).
+ *
+ *   litegraph-gate keep -- PROGRAM ARG...
+ *     Inside a sandbox: runs PROGRAM (found on PATH) under the keeper and exits as it
+ *     did (128 + the signal's number if one ended it).
+ *
+ * The keeper: the guest's first process inside its sandbox, so that an ending gives
+ * every guest process its grace. bubblewrap ends the whole sandbox as soon as its
+ * first process exits; were that the guest's own (`sh -c "a; b"`), a SIGTERM that
+ * ends the shell would take `a` and its TERM handler with it at once. The keeper forks
+ * the guest and adopts its orphans (a child subreaper). Normally it exits with the
+ * guest's first process, and the sandbox's leftovers go with it as before; once it
+ * has had a SIGTERM (the daemon signals it before the guest's processes) it waits for
+ * every guest process to exit, which the daemon bounds by its kill grace.
  *
  * Statically linked (scripts/build-gate): no dynamic loading on the start path.
  * Only the daemon runs it, as root or as the daemon's user; it is not setuid.
@@ -30,7 +43,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <signal.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define NEVER_RAN 126
@@ -150,6 +165,68 @@ static void write_tokens(const char *path, const char *text, size_t length) {
     if (close(fd) != 0) die(NEVER_RAN, path);
 }
 
+static volatile sig_atomic_t ending = 0;
+
+static void on_term(int signum) {
+    (void)signum;
+    ending = 1;
+}
+
+static int exit_code(int status) {
+    if (WIFEXITED(status)) return WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return SETUP_FAILED;
+}
+
+/* Runs `args` with `envs` (NULL: this process's environment) as the keeper's child. */
+static int keep(char **args, char **envs) {
+    sigset_t term, old;
+    sigemptyset(&term);
+    sigaddset(&term, SIGTERM);
+    /* Blocked across the fork: a SIGTERM meant for the guest before it existed is
+     * passed on to it below, never lost. */
+    if (sigprocmask(SIG_BLOCK, &term, &old) != 0) die(NEVER_RAN, "sigprocmask");
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = on_term;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGTERM, &action, NULL) != 0) die(NEVER_RAN, "sigaction");
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0) die(NEVER_RAN, "subreaper");
+    pid_t guest = fork();
+    if (guest < 0) die(NEVER_RAN, "fork");
+    if (guest == 0) {
+        action.sa_handler = SIG_DFL;
+        sigaction(SIGTERM, &action, NULL);
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        if (envs != NULL) environ = envs;
+        execvp(args[0], args);
+        fprintf(stderr, "litegraph-gate: execvp %s: %s\n", args[0], strerror(errno));
+        _exit(EXEC_FAILED);
+    }
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    if (ending) kill(guest, SIGTERM);
+    int code = -1;
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, 0);
+        if (pid < 0 && errno == EINTR) continue;
+        if (pid < 0) break; /* ECHILD: every guest process has gone */
+        if (pid == guest) {
+            code = exit_code(status);
+            if (!ending) break;
+        }
+    }
+    return code < 0 ? SETUP_FAILED : code;
+}
+
+static int keep_command(int argc, char **argv) {
+    if (argc < 4 || strcmp(argv[2], "--") != 0) {
+        fprintf(stderr, "litegraph-gate: keep needs -- and a program\n");
+        return SETUP_FAILED;
+    }
+    return keep(argv + 3, NULL);
+}
+
 static int stage(int argc, char **argv) {
     if (argc != 3) {
         fprintf(stderr, "litegraph-gate: stage needs TOKEN_FILE\n");
@@ -193,15 +270,15 @@ static int stage(int argc, char **argv) {
     envs[kept] = NULL;
     if (tokens != NULL) write_tokens(argv[2], tokens, tokens_length);
     stdin_from_null();
-    environ = envs;
-    execvp(args[0], args);
-    fprintf(stderr, "litegraph-gate: execvp %s: %s\n", args[0], strerror(errno));
-    return EXEC_FAILED;
+    return keep(args, envs);
 }
 
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "gate") == 0) return gate(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "stage") == 0) return stage(argc, argv);
-    fprintf(stderr, "usage: litegraph-gate gate [-u UID] [-k] -- PROGRAM ARG... | stage TOKEN_FILE\n");
+    if (argc >= 2 && strcmp(argv[1], "keep") == 0) return keep_command(argc, argv);
+    fprintf(stderr,
+            "usage: litegraph-gate gate [-u UID] [-k] -- PROGRAM ARG... | stage TOKEN_FILE"
+            " | keep -- PROGRAM ARG...\n");
     return SETUP_FAILED;
 }

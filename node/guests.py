@@ -33,7 +33,7 @@ import trio
 from api.unix_server import bind_unix_socket
 from machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
 from node.config import Config
-from supervisor.gate import find_gate
+from supervisor.gate import find_gate, install_keeper
 from supervisor.guests import GuestPolicy, remove_stale_tokens
 from supervisor.identity import (
     UID_CURSOR_FILENAME,
@@ -156,6 +156,7 @@ async def _sandbox_works(
     userns: GuestUserns | None = None,
     node_socket: pathlib.Path | None = None,
     gate: pathlib.Path | None = None,
+    keeper: pathlib.Path | None = None,
 ) -> str | None:
     """Run `true` in a sandbox the way a guest starts (its gate, setpriv, nsenter into
     the guests' user namespace or the in-child uid drop, bwrap); None when it works,
@@ -170,6 +171,7 @@ async def _sandbox_works(
         node_socket=node_socket,
         userns_fd=None if userns is None else userns.fd,
         gate=gate,
+        keeper=keeper,
     )
     try:
         with trio.fail_after(SELF_TEST_SECONDS):
@@ -204,6 +206,7 @@ async def _usable_sandbox(
     userns: GuestUserns | None = None,
     node_socket: pathlib.Path | None = None,
     gate: pathlib.Path | None = None,
+    keeper: pathlib.Path | None = None,
 ) -> pathlib.Path | None:
     """The sandbox tool once a run of it as a guest uid worked; else None and why in `problems`."""
     try:
@@ -217,7 +220,7 @@ async def _usable_sandbox(
         problems.append(f"guest uid cursor not saved: {exc}")
         return bwrap
     try:
-        failure = await _sandbox_works(bwrap, probe_uid, userns, node_socket, gate)
+        failure = await _sandbox_works(bwrap, probe_uid, userns, node_socket, gate, keeper)
     finally:
         if uids is not None and probe_uid is not None:
             uids.release(probe_uid)
@@ -371,6 +374,13 @@ def _identity(
     return f"all as you, {_own_user()}: {shared or 'cannot switch users'} ({SHARED_UID_NOTE})"
 
 
+async def _keeper(gate: pathlib.Path, run_dir: pathlib.Path) -> pathlib.Path:
+    try:
+        return await trio.to_thread.run_sync(install_keeper, gate, run_dir)
+    except OSError as exc:
+        raise GuestSetupError(f"guest keeper in {run_dir}: {exc.strerror}") from exc
+
+
 async def open_guest_setup(
     config: Config, *, dev: bool, state_dir: pathlib.Path, auth_path: pathlib.Path
 ) -> GuestSetup:
@@ -394,13 +404,18 @@ async def open_guest_setup(
         # A guest under a subordinate uid must also reach the node's socket: bound here.
         socket_path = None if userns is None else run_dir / SOCKET_NAME
         gate = await trio.to_thread.run_sync(find_gate)
-        bwrap = await _usable_sandbox(config.sandbox_tool, uids, tried, userns, socket_path, gate)
+        keeper = None if gate is None else await _keeper(gate, run_dir)
+        bwrap = await _usable_sandbox(
+            config.sandbox_tool, uids, tried, userns, socket_path, gate, keeper
+        )
         if tried and userns is not None:
             # Not with a subordinate uid: guests share the daemon's, if the sandbox works so.
             shared = "a guest could not start under a subordinate uid: " + "; ".join(tried)
             userns.close()
             uids, userns, tried = None, None, []
-            bwrap = await _usable_sandbox(config.sandbox_tool, None, tried, gate=gate)
+            bwrap = await _usable_sandbox(
+                config.sandbox_tool, None, tried, gate=gate, keeper=keeper
+            )
         problems += tried
         if userns is not None:
             notes.append(_own_uids_note(userns.ids))
@@ -438,6 +453,7 @@ async def open_guest_setup(
         host_network=config.guest_host_network,
         userns=userns,
         gate=gate,
+        keeper=keeper,
     )
     if config.guest_host_network:
         notes.append(

@@ -111,7 +111,7 @@ class Supervisor:
             history=History(machine.replay.ended.values(), seconds=machine.journal.index.window_s),
         )
         policy = state.guests
-        if sandbox_pool > 0 and policy.bwrap is not None and policy.gate is not None:
+        if sandbox_pool > 0 and policy.bwrap is not None and policy.keeper is not None:
             state.pool = SandboxPool(
                 size=sandbox_pool,
                 uids=policy.uids,

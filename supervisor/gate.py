@@ -6,7 +6,8 @@ linked execs: it holds the guest at its gate until the daemon has journaled the
 start, then takes the guest's uid (no supplementary group, no capability in any set)
 and execs bwrap. Inside a ready sandbox (`supervisor/sandbox_pool.py`) it is the
 stage: it reads the guest's command, environment and tokens from its stdin and
-execs the command.
+runs the command. Inside every sandbox it is the guest's keeper, the sandbox's first
+process, so an ending gives all the guest's processes their grace (`install_keeper`).
 
 It is built by `make` (scripts/build-gate) next to the venv's Python. Where it is
 missing or does not work here, guests start through the gate shell and setpriv, and
@@ -24,7 +25,15 @@ from pathlib import Path
 
 from supervisor.sandbox import STAGE_PATH
 
-__all__ = ["GATE_NAME", "STAGE_PATH", "find_gate", "gate_argv", "stage_argv", "stage_message"]
+__all__ = [
+    "GATE_NAME",
+    "STAGE_PATH",
+    "find_gate",
+    "gate_argv",
+    "install_keeper",
+    "stage_argv",
+    "stage_message",
+]
 
 GATE_NAME = "litegraph-gate"
 _MAGIC = b"litegraph-stage-1"
@@ -47,6 +56,23 @@ def find_gate() -> Path | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return candidate if probe.returncode == 0 else None
+
+
+def install_keeper(gate: Path, folder: Path) -> Path:
+    """A copy of `gate` in `folder` (the run folder: the daemon's own, which guests may
+    enter but not write), read-only and the daemon's: bubblewrap, run as the guest's uid,
+    binds it as the guest's keeper, and a venv in a 0700 home is out of that uid's reach.
+    Written aside and renamed over, so a guest starting meanwhile sees a whole file."""
+    target = folder / GATE_NAME
+    aside = folder / f".{GATE_NAME}.{os.getpid()}"
+    try:
+        aside.write_bytes(gate.read_bytes())
+        aside.chmod(0o555)
+        aside.replace(target)
+    except BaseException:
+        aside.unlink(missing_ok=True)
+        raise
+    return target
 
 
 def gate_argv(gate: Path, uid: int | None, *, keep_stdin: bool = False) -> list[str]:

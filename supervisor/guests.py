@@ -90,6 +90,8 @@ class GuestPolicy:
     userns: GuestUserns | None = None
     # litegraph-gate, where it was built and runs here (`supervisor/gate.py`).
     gate: Path | None = None
+    # Its copy the guests' uids can reach, their keeper inside the sandbox (`install_keeper`).
+    keeper: Path | None = None
 
     @classmethod
     def unconfined(cls, state_dir: Path) -> GuestPolicy:
@@ -328,6 +330,7 @@ def _session(
         tmp_bytes=memory_bytes,
         userns_fd=None if policy.userns is None or uid is None else policy.userns.fd,
         gate=policy.gate,
+        keeper=policy.keeper,
     )
     return GuestSession(
         uid=uid, sandbox=sandbox, env=env, pids_max=policy.pids_max, network=network

@@ -112,9 +112,13 @@ class SandboxSpec:
     # The guests' user namespace (a daemon that is not root: its subordinate uids),
     # entered to take the guest's uid before bwrap runs (`supervisor/launch.py`).
     userns_fd: int | None = None
-    # litegraph-gate (`supervisor/gate.py`): the gate and the uid drop in one exec;
-    # None: a gate shell and setpriv.
+    # litegraph-gate (`supervisor/gate.py`): the gate and the uid drop in one exec, and
+    # inside the sandbox the guest's keeper; None: a gate shell and setpriv, no keeper.
     gate: Path | None = None
+    # The gate where the guest's uid, which runs bwrap, can reach it (a copy in the run
+    # folder: a venv in root's 0700 home is out of its reach), bound at STAGE_PATH as
+    # the guest's keeper and a pooled sandbox's stage; None: no keeper.
+    keeper: Path | None = None
     # A pooled sandbox: the gate is bound at STAGE_PATH and waits there for its
     # guest's command, environment and tokens (`supervisor/sandbox_pool.py`).
     stage: bool = False
@@ -172,10 +176,11 @@ def bwrap_argv(
         args += ["--dev-bind", str(node), _device_target(node, spec.dev_root)]
     if spec.token_fd is not None:
         args += ["--perms", "0400", "--ro-bind-data", str(spec.token_fd), TOKEN_FILE]
-    if spec.stage:
-        if spec.gate is None:
-            raise ValueError("a pooled sandbox's stage is litegraph-gate")
-        args += ["--ro-bind", str(spec.gate), STAGE_PATH]
+    if spec.stage and spec.keeper is None:
+        raise ValueError("a pooled sandbox's stage is litegraph-gate")
+    if spec.keeper is not None:
+        # The guest's keeper (and a pooled sandbox's stage): see native/litegraph-gate.c.
+        args += ["--ro-bind", str(spec.keeper), STAGE_PATH]
     if spec.node_socket is not None:
         args += ["--bind", str(spec.node_socket), NODE_SOCKET]
     bound = [Path(folder) for folder in _SYSTEM_DIRS]
@@ -190,6 +195,9 @@ def bwrap_argv(
         bound.append(Path(spec.cwd))
     args += _masks(spec.masked, bound)
     args += ["--chdir", spec.cwd or GUEST_TMP]
+    if spec.keeper is not None and not spec.stage:
+        # The stage keeps its guest itself.
+        return [*args, "--", STAGE_PATH, "keep", "--", *argv]
     return [*args, "--", *argv]
 
 

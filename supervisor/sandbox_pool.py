@@ -65,7 +65,7 @@ def shape_of(spec: ProcessSpec) -> Shape | None:
     """What a ready sandbox for `spec` is made of; None where none can be made ahead
     (no sandbox, a cwd to bind, no litegraph-gate)."""
     sandbox = spec.sandbox
-    if sandbox is None or sandbox.cwd is not None or sandbox.gate is None or sandbox.stage:
+    if sandbox is None or sandbox.cwd is not None or sandbox.keeper is None or sandbox.stage:
         return None
     return (
         spec.cpu_affinity,

@@ -26,6 +26,12 @@ from tests.confinement.guests import (
 
 # Cleans up on SIGTERM and says so; `sleep` keeps it from spinning a CPU meanwhile.
 TRAPS_TERM = 'trap "echo cleaned; exit 0" TERM; echo ready; while :; do sleep 0.1; done'
+# The trap is a child's: the shell that runs it has none and dies of its SIGTERM at
+# once. Its cleanup takes a while, so it runs only if the sandbox outlives that shell.
+CHILD_TRAPS_TERM = (
+    'sh -c \'trap "sleep 0.5; echo cleaned; exit 0" TERM; echo ready; '
+    "while :; do sleep 0.1; done'; echo after"
+)
 # Ignores SIGTERM (its `sleep` children inherit that): only SIGKILL ends it.
 IGNORES_TERM = 'trap "" TERM; echo ready; while :; do sleep 0.1; done # stubborn'
 
@@ -73,18 +79,34 @@ async def cancel(node: Node, invocation_id: str) -> tuple[dict[str, Any], float]
     return found, trio.current_time() - started
 
 
+async def cancelled_when_ready(node: Node, script: str) -> tuple[bytes, float]:
+    """Run `script`, cancel it once it says `ready`: its stdout and how long the cancel took."""
+    body = guest(script)
+    await node.submit(body)
+    await until_ready(node, body["id"])
+    found, took = await cancel(node, body["id"])
+    assert (found["state"], found["reason"]) == ("cancelled", "cancel_requested"), found
+    return await stdout_of(node, body["id"]), took
+
+
 async def test_a_cancelled_guest_runs_its_term_trap_and_its_output_is_kept(
     tmp_path: pathlib.Path,
 ) -> None:
     # A long grace: the guest ends itself on SIGTERM, nothing waits for the grace.
     async with confined_node(tmp_path, "--kill-grace", "30") as node:
-        body = guest(TRAPS_TERM)
-        await node.submit(body)
-        await until_ready(node, body["id"])
-        found, took = await cancel(node, body["id"])
-        assert (found["state"], found["reason"]) == ("cancelled", "cancel_requested"), found
-        assert await stdout_of(node, body["id"]) == b"ready\ncleaned\n"
+        stdout, took = await cancelled_when_ready(node, TRAPS_TERM)
+        assert stdout == b"ready\ncleaned\n"
         assert took < 10, f"the cancel waited {took:.1f}s for a guest that ended on SIGTERM"
+
+
+async def test_every_guest_process_gets_the_grace_not_only_the_first(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The guest's first process dies of SIGTERM at once; its child's trap still runs.
+    async with confined_node(tmp_path, "--kill-grace", "30") as node:
+        stdout, took = await cancelled_when_ready(node, CHILD_TRAPS_TERM)
+        assert stdout == b"ready\ncleaned\n"
+        assert took < 10, f"the cancel waited {took:.1f}s for guests that ended on SIGTERM"
 
 
 async def test_a_guest_that_ignores_sigterm_is_killed_after_the_kill_grace(

@@ -18,6 +18,7 @@ import trio
 from machine.cgroups import pool_cgroup_prefix, system_cgroups
 from tests.adversarial.fixtures import Node, subprocess_node
 from tests.confinement.guests import confined_node, process, python, run_to_end
+from tests.confinement.test_guest_endings import CHILD_TRAPS_TERM, cancelled_when_ready, guest
 from tests.helpers import clean_env
 
 pytestmark = pytest.mark.skipif(
@@ -184,3 +185,13 @@ async def test_two_shapes_in_use_share_the_pool(tmp_path: pathlib.Path) -> None:
             assert (await run_to_end(node, body))["state"] == "succeeded"
         figures = await _pool_figures(node)
         assert figures["direct"] == 2 and figures["ready"] == 2, figures
+
+
+async def test_every_process_of_a_pooled_guest_gets_the_grace(tmp_path: pathlib.Path) -> None:
+    # As a directly started guest (test_guest_endings): the stage keeps its guest.
+    async with confined_node(tmp_path, "--kill-grace", "30") as node:
+        await run_to_end(node, guest(CHILD_TRAPS_TERM.replace("while", "exit 0; while")))
+        await _pool_filled(node)
+        stdout, _took = await cancelled_when_ready(node, CHILD_TRAPS_TERM)
+        assert stdout == b"ready\ncleaned\n"
+        assert (await _pool_figures(node))["ready"] == 1

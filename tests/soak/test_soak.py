@@ -197,9 +197,9 @@ async def _run_load(load: Load, url: str, secret: str, seconds: float) -> None:
 
 
 def guests_of(pid: int) -> list[Any]:
-    """The daemon's descendants but its lane hosts (one per lane, for its whole life) and
-    its ready sandboxes (bubblewrap and litegraph-gate's stage, waiting for a guest; a
-    guest started in one is its own command, and counted)."""
+    """The daemon's descendants but its lane hosts (one per lane, for its whole life),
+    bubblewrap and litegraph-gate inside it (a ready sandbox's stage, waiting for a
+    guest, or a guest's keeper); a guest itself is its own command, and counted."""
     return [
         p
         for p in descendants(pid)

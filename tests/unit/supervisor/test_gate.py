@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-from supervisor.gate import GATE_NAME, find_gate, gate_argv, stage_argv, stage_message
+from supervisor.gate import (
+    GATE_NAME,
+    find_gate,
+    gate_argv,
+    install_keeper,
+    stage_argv,
+    stage_message,
+)
 from supervisor.launch import GATE_SHELL, plan
 from supervisor.sandbox import SandboxSpec
 
@@ -123,3 +132,64 @@ def test_a_guest_starts_through_the_gate_where_it_is_built_else_the_shell_and_se
         with_gate.close()
         without.close()
     assert find_gate() == GATE
+
+
+def _sandboxed(keeper: pathlib.Path, script: str) -> subprocess.CompletedProcess[bytes]:
+    bwrap = pathlib.Path("/usr/bin/bwrap")
+    if not bwrap.exists():
+        pytest.skip("bubblewrap is not installed")
+    spec = SandboxSpec(bwrap=bwrap, gate=GATE, keeper=keeper)
+    launch = plan(
+        ["sh", "-c", script], env={"PATH": "/usr/bin:/bin"}, sandbox=spec, uid=UID, cgroup=None
+    )
+    try:
+        return subprocess.run(
+            launch.argv,
+            env=launch.env,
+            pass_fds=launch.pass_fds,
+            input=b"\n",
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        launch.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="taking another uid needs root")
+def test_a_gate_the_guest_uid_cannot_reach_keeps_its_guest_from_its_copy(
+    tmp_path: pathlib.Path,
+) -> None:
+    # As for a venv in root's 0700 home: the guest's uid, which runs bwrap, cannot reach
+    # the gate itself, only its copy in a run folder it may enter.
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    gate = private / GATE_NAME
+    gate.write_bytes(GATE.read_bytes())
+    run = pathlib.Path(tempfile.mkdtemp(prefix="litegraph-run-", dir="/tmp"))
+    try:
+        run.chmod(0o711)
+        keeper = install_keeper(gate, run)
+        assert keeper.parent == run and keeper.stat().st_mode & 0o777 == 0o555
+        assert keeper.read_bytes() == GATE.read_bytes() and list(run.iterdir()) == [keeper]
+        unreachable = _sandboxed(gate, "true")
+        assert unreachable.returncode != 0 and b"Permission denied" in unreachable.stderr
+        done = _sandboxed(keeper, "echo $PPID; exit 3")
+        assert (done.returncode, done.stdout) == (3, b"2\n"), done.stderr  # pid 2: the keeper
+        killed = _sandboxed(keeper, "kill -TERM $$")
+        assert killed.returncode == 128 + 15, killed.stderr
+    finally:
+        shutil.rmtree(run)
+
+
+def test_the_keeper_exits_with_its_guest_and_does_not_wait_for_what_it_left() -> None:
+    # Not ending: a background process the guest left does not hold the keeper.
+    script = "sleep 30 >/dev/null 2>&1 & echo $!; exit 4"
+    done = _run([str(GATE), "keep", "--", "/bin/sh", "-c", script], b"")
+    assert done.returncode == 4
+    left = int(done.stdout)
+    try:
+        os.kill(left, 0)  # still alive: the sandbox's end (not the keeper) takes it
+    finally:
+        os.kill(left, 9)
+    assert _run([str(GATE), "keep"], b"").returncode == 125
