@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import httpx
 
@@ -47,6 +47,39 @@ def guest_cwd() -> pathlib.Path:
 def guest_cwd_roots() -> str:
     """`--guest-cwd-roots` for a test daemon: where `guest_cwd` makes its folders."""
     return json.dumps([str(GUEST_CWD_BASE)])
+
+
+def _hidden_by(path: pathlib.Path) -> pathlib.Path | None:
+    """The topmost folder above `path` that other uids cannot enter (root's 0700 home)."""
+    for folder in reversed(path.parents):
+        if not folder.stat().st_mode & 0o001:
+            return folder
+    return None
+
+
+def reveal_lines(fix: pathlib.Path, paths: Iterable[pathlib.Path]) -> list[str]:
+    """Shell lines for a private mount namespace (`unshare --mount --propagation private`)
+    that let other uids reach each of `paths` (the clone, the venv, its base Python)
+    wherever a folder above it is closed to them: each is bound into a fresh 0755 tree
+    under `fix` (itself reachable), which is laid over that folder. None where every
+    path is reachable already."""
+    trees: dict[pathlib.Path, pathlib.Path] = {}
+    revealed: list[pathlib.Path] = []
+    lines: list[str] = []
+    for path in sorted({p.resolve() for p in paths}):
+        hidden = _hidden_by(path)
+        if hidden is None or any(path.is_relative_to(done) for done in revealed):
+            continue
+        tree = trees.setdefault(hidden, fix / f"tree-{len(trees)}")
+        target = tree / path.relative_to(hidden)
+        target.mkdir(parents=True)
+        for folder in (target, *target.parents):
+            if not folder.is_relative_to(tree):
+                break
+            folder.chmod(0o755)
+        lines.append(f"mount --bind '{path}' '{target}'")
+        revealed.append(path)
+    return lines + [f"mount --rbind '{tree}' '{hidden}'" for hidden, tree in trees.items()]
 
 
 def remove_guest_dirs() -> None:

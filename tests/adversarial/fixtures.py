@@ -319,6 +319,18 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def live_command_lines(pid: int) -> list[list[str]]:
+    """The command lines of `pid`'s descendants that still run: a zombie (ended, not yet
+    reaped by its parent) holds nothing and is left out, as is one gone meanwhile."""
+    lines = []
+    for child in descendants(pid):
+        try:
+            lines.append(child.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return lines
+
+
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out", "rejected"})
 
 

@@ -4,15 +4,17 @@ hands none of them to its guests, and its sandbox works."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 
 import pytest
 
-from tests.helpers import GUEST_PYTHON
+from tests.helpers import GUEST_PYTHON, reveal_lines
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DAEMON_UID = 64_999  # a system-user stand-in, outside --guest-uids
@@ -85,7 +87,7 @@ def _as_unit_daemon(probe: str = PROBE) -> subprocess.CompletedProcess[str]:
     if version != str(sys.version_info[:2]):
         pytest.skip(f"{GUEST_PYTHON} is {version}, not the test's Python: cannot load the project")
     paths = {str(ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    argv = [
+    daemon = [
         setpriv,
         f"--reuid={DAEMON_UID}",
         f"--regid={DAEMON_UID}",
@@ -98,7 +100,16 @@ def _as_unit_daemon(probe: str = PROBE) -> subprocess.CompletedProcess[str]:
         probe,
         *sorted(paths),
     ]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd="/")
+    # The clone and its venv may lie under root's 0700 home: shown to DAEMON_UID in a
+    # mount namespace of the probe's own.
+    with tempfile.TemporaryDirectory(prefix="lg-caps-") as fix:
+        os.chmod(fix, 0o755)  # noqa: S103 - DAEMON_UID enters the trees inside
+        lines = [*reveal_lines(pathlib.Path(fix), map(pathlib.Path, paths)), 'exec "$@"']
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c"]
+        argv += ["\n".join(["set -e", *lines]), "probe", *daemon]
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, check=False, cwd="/"
+        )
 
 
 def _probe_holds_no_capability(probe_code: str) -> subprocess.CompletedProcess[str]:

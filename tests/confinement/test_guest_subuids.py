@@ -39,7 +39,7 @@ from tests.confinement.guests import (
     wait_gone,
 )
 from tests.confinement.test_guest_tokens import OWN_WORK, STOLEN_WORK, gpu_sandbox
-from tests.helpers import ROOT, spawned, wait_for_line
+from tests.helpers import ROOT, reveal_lines, spawned, wait_for_line
 
 USER = "lgsubuid"
 # Free uids and ranges: no account, apart from every test's --guest-uids.
@@ -134,12 +134,8 @@ def _script(etc: pathlib.Path, fix: pathlib.Path, argv: list[str], hide: tuple[s
     """The private mount namespace's set-up, then the daemon as the test user."""
     lines = ["set -e", f"mount -t overlay overlay -o lowerdir={etc}:/etc /etc"]
     lines += [f"mount --bind /dev/null {shutil.which(tool)}" for tool in hide]
-    # The test venv's Python may live under root's 0700 home: show only its .pyenv.
-    python = pathlib.Path(sys.executable).resolve()
-    if python.is_relative_to("/root"):
-        first = python.relative_to("/root").parts[0]
-        (fix / first).mkdir()
-        lines += [f"mount --bind /root/{first} {fix / first}", f"mount --rbind {fix} /root"]
+    # The clone, its venv and their Python may lie under root's 0700 home.
+    lines += reveal_lines(fix, (ROOT, pathlib.Path(sys.prefix), pathlib.Path(sys.base_prefix)))
     groups = f"{DAEMON_UID},{EXTRA_GROUP}"
     drop = f"setpriv --reuid={DAEMON_UID} --regid={DAEMON_UID} --groups={groups} --"
     lines.append("exec " + drop + " " + " ".join(f"'{arg}'" for arg in argv))

@@ -16,10 +16,10 @@ import threading
 from collections.abc import Iterator
 
 import httpx
-import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 
 from api.auth import load_auth
+from tests.adversarial.fixtures import live_command_lines
 from tests.cli_fixtures import (
     DEV_LISTENING,
     GUEST_WAITS,
@@ -186,8 +186,8 @@ def test_sigint_cancels_the_invocation(dev: Dev) -> None:
     assert reply.json()["state"] == "cancelled"
     assert reply.json()["reason"] == "cancel_requested"
     # Cancelled means the process is gone: the daemon has no child left but its lane hosts.
-    children = psutil.Process(dev.proc.pid).children(recursive=True)
-    assert [p for p in children if "lanehost" not in p.cmdline()] == []
+    left = live_command_lines(dev.proc.pid)
+    assert [line for line in left if "lanehost" not in line] == []
 
 
 @SHARED

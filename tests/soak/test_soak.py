@@ -26,8 +26,8 @@ from supervisor.sandbox import STAGE_PATH
 from tests.adversarial.fixtures import (
     MiB,
     bearer,
-    descendants,
     host_port,
+    live_command_lines,
     rss,
     subprocess_node,
 )
@@ -196,14 +196,14 @@ async def _run_load(load: Load, url: str, secret: str, seconds: float) -> None:
         outer.cancel_scope.cancel()
 
 
-def guests_of(pid: int) -> list[Any]:
+def guests_of(pid: int) -> list[list[str]]:
     """The daemon's descendants but its lane hosts (one per lane, for its whole life),
     bubblewrap and litegraph-gate inside it (a ready sandbox's stage, waiting for a
     guest, or a guest's keeper); a guest itself is its own command, and counted."""
     return [
-        p
-        for p in descendants(pid)
-        if "lanehost" not in p.cmdline() and not any(STAGE_PATH in arg for arg in p.cmdline())
+        line
+        for line in live_command_lines(pid)
+        if "lanehost" not in line and not any(STAGE_PATH in arg for arg in line)
     ]
 
 
