@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from capabilities import paseto
 from node.config import Config
 from node.daemon import Daemon
+from supervisor.sandbox import STAGE_PATH
 from tests.api_fixtures import bearer, daemon_config, running_daemon
 from tests.helpers import clean_env, node_command, spawned, wait_for_line
 
@@ -329,6 +330,17 @@ def live_command_lines(pid: int) -> list[list[str]]:
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue
     return lines
+
+
+def guest_command_lines(pid: int) -> list[list[str]]:
+    """The command lines of the daemon `pid`'s guests that still run: its descendants but
+    its lane hosts (one per lane, for its whole life), bubblewrap and litegraph-gate
+    inside it (a ready sandbox's stage, waiting for a guest, or a guest's keeper)."""
+    return [
+        line
+        for line in live_command_lines(pid)
+        if "lanehost" not in line and not any(STAGE_PATH in arg for arg in line)
+    ]
 
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out", "rejected"})

@@ -22,12 +22,11 @@ import pytest
 import trio
 import trio.lowlevel
 
-from supervisor.sandbox import STAGE_PATH
 from tests.adversarial.fixtures import (
     MiB,
     bearer,
+    guest_command_lines,
     host_port,
-    live_command_lines,
     rss,
     subprocess_node,
 )
@@ -196,17 +195,6 @@ async def _run_load(load: Load, url: str, secret: str, seconds: float) -> None:
         outer.cancel_scope.cancel()
 
 
-def guests_of(pid: int) -> list[list[str]]:
-    """The daemon's descendants but its lane hosts (one per lane, for its whole life),
-    bubblewrap and litegraph-gate inside it (a ready sandbox's stage, waiting for a
-    guest, or a guest's keeper); a guest itself is its own command, and counted."""
-    return [
-        line
-        for line in live_command_lines(pid)
-        if "lanehost" not in line and not any(STAGE_PATH in arg for arg in line)
-    ]
-
-
 @pytest.mark.soak
 async def test_soak_mixed_load_no_5xx_no_leak_rss_bounded(tmp_path: pathlib.Path) -> None:
     state = tmp_path / "state"
@@ -242,10 +230,10 @@ async def test_soak_mixed_load_no_5xx_no_leak_rss_bounded(tmp_path: pathlib.Path
                 f"RSS grew {(after - before) / MiB:.1f} MiB over {requests} requests"
             )
             for _ in range(200):  # no child process outlives its invocation (10 s bound)
-                if not guests_of(proc.pid):
+                if not guest_command_lines(proc.pid):
                     break
                 await trio.sleep(0.05)
-            assert not guests_of(proc.pid)
+            assert not guest_command_lines(proc.pid)
             print(
                 f"soak: {SOAK_SECONDS:.0f}s, {requests} requests, statuses {dict(load.statuses)}, "
                 f"RSS {before / MiB:.1f} -> {after / MiB:.1f} MiB"
