@@ -53,6 +53,10 @@ EXIT_CODES = {
 }
 # Our own stdout closed early (`run ... | head`): what a shell reports for SIGPIPE.
 BROKEN_PIPE_EXIT = 141
+SECOND_INTERRUPT = (
+    "second Ctrl-C: not waiting for the node's answer; the cancel may not have reached it"
+    " (`litegraph-node ls` shows where the invocation stands)"
+)
 # The node went away before it said how the invocation ended (sysexits' EX_UNAVAILABLE).
 NODE_GONE_EXIT = 69
 
@@ -190,7 +194,13 @@ async def follow_command(
         try:
             return await _follow(client, invocation_id, out, err)
         except BaseException as raised:
-            _say(err, f"\n{invocation_id}: {await _cancel(client, invocation_id, base_url)}")
+            try:
+                answer = await _cancel(client, invocation_id, base_url)
+            except KeyboardInterrupt:
+                # A second Ctrl-C: stop waiting for the answer, as asked, and say so.
+                _say(err, f"\n{invocation_id}: {SECOND_INTERRUPT}")
+                raise
+            _say(err, f"\n{invocation_id}: {answer}")
             if isinstance(raised, OutputClosed):
                 return BROKEN_PIPE_EXIT
             raise

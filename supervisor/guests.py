@@ -141,6 +141,9 @@ class GuestSession:
     pids_max: int
     # What it got: `host` too where it runs unconfined (no sandbox, no namespace).
     network: GuestNetwork = GuestNetwork.NONE
+    # Something of it survived SIGKILL (`run_process`'s on_stuck): its uid is never
+    # handed out again, however its run ended.
+    stuck: bool = False
 
 
 def _token_text(tokens: Sequence[str]) -> bytes:
@@ -249,6 +252,7 @@ def guest_session(
     finally:
         if session is not None:
             uid = session.uid  # a ready sandbox's, where the guest started in one
+        stuck = stuck or (session is not None and session.stuck)
         if uid is not None and policy.uids is not None and not stuck:
             policy.uids.release(uid)
 

@@ -201,6 +201,7 @@ async def run_process(
     on_cgroup: Callable[[InvocationCgroup], None] | None = None,
     before_cgroup_end: Callable[[], Awaitable[None]] | None = None,
     ready: ReadySandbox | None = None,
+    on_stuck: Callable[[], None] | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
@@ -215,6 +216,8 @@ async def run_process(
     invocation's lane hosts), and `before_cgroup_end` is awaited once the guest's
     group has ended, before the cgroup is emptied, read and removed. `ready`: a
     sandbox made ahead for `spec`'s shape and uid, now this run's to start or end.
+    `on_stuck` is called, however the run ends, when something of it survived SIGKILL
+    (a cancel still propagates; a normal end raises ProcessStuck then).
     """
     try:
         validate_spec(spec)
@@ -235,21 +238,26 @@ async def run_process(
         on_cgroup(cgroup)
     pgid = proc.pid  # start_new_session: the child leads its own group
     pidfd = _open_pidfd(proc.pid)
-    ended = False
+    ended = stuck = False
 
     async def end_group() -> None:
         # Once only: after the group is gone its id could be reused.
-        nonlocal ended
+        nonlocal ended, stuck
         if ended:
             return
         ended = True
+        gone = False
         # The hook bounds itself; the group's ending and the cgroup's have this.
         with trio.move_on_after(kill_grace + 15, shield=True):
             if spec.sandbox is not None:
                 members = None if cgroup is None else functools.partial(_members, cgroup)
-                await terminate_sandbox(pgid, kill_grace, leader=proc, members=members)
+                gone = await terminate_sandbox(pgid, kill_grace, leader=proc, members=members)
             else:
-                await terminate_group(pgid, kill_grace, leader=proc)
+                gone = await terminate_group(pgid, kill_grace, leader=proc)
+        # bubblewrap may have exited while a guest process in it did not: stuck all the same.
+        stuck = not gone
+        if stuck and on_stuck is not None:
+            on_stuck()
         with trio.CancelScope(shield=True):
             if cgroup is not None and before_cgroup_end is not None:
                 await before_cgroup_end()
@@ -295,6 +303,6 @@ async def run_process(
         if pidfd is not None:
             os.close(pidfd)
         await proc.aclose()
-    if proc.returncode is None:
+    if proc.returncode is None or stuck:
         raise ProcessStuck(proc.pid)
     return proc.returncode

@@ -113,7 +113,13 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
             on_cgroup=functools.partial(sup.charges.guest_confined, inv.id),
             before_cgroup_end=functools.partial(sup.charges.guest_ending, inv),
             ready=ready,
+            on_stuck=functools.partial(_stuck, inv, guest),
         )
+
+
+def _stuck(inv: Invocation, guest: GuestSession) -> None:
+    # A cancel or deadline may be what ends the run: its reservation and uid stay held.
+    inv.stuck = guest.stuck = True
 
 
 def _sink(logs: InvocationLogs, stream: str) -> Sink:

@@ -322,3 +322,18 @@ async def test_a_cancel_answer_that_cannot_be_read_is_not_taken_for_a_cancel(
     with trio.fail_after(5):
         said = " ".join(await _left_reader(monkeypatch, garbled))
     assert said == "not cancelled: the node's answer could not be read"
+
+
+async def test_a_second_interrupt_during_the_cancel_stops_waiting_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def interrupted(request: httpx.Request) -> httpx.Response:
+        raise KeyboardInterrupt  # as trio delivers Ctrl-C, shielded scope or not
+
+    _patch(monkeypatch, _cancel_answered(interrupted))
+    err = io.BytesIO()
+    request = InvocationRequest(id="run-9", work=ProcessWork(argv=["sleep", "60"]))
+    with trio.fail_after(5), pytest.raises(KeyboardInterrupt):
+        await follow_command("http://node", "s", request, out=_ClosedPipe(), err=err)
+    said = err.getvalue().decode().splitlines()
+    assert said[-1] == f"run-9: {api.run_client.SECOND_INTERRUPT}", said

@@ -208,6 +208,12 @@ def test_the_uid_of_a_process_that_survived_sigkill_is_never_reused(
     with pytest.raises(ProcessStuck), _session_of(pool, tmp_path) as guest:
         raise ProcessStuck(12345)
     assert pool.in_use == frozenset({guest.uid})
+    # Marked stuck by its run (on_stuck) while something else ended it (a cancel):
+    # held all the same.
+    with pytest.raises(KeyboardInterrupt), _session_of(pool, tmp_path) as cancelled:
+        cancelled.stuck = True
+        raise KeyboardInterrupt
+    assert pool.in_use == frozenset({guest.uid, cancelled.uid})
 
 
 @needs_root

@@ -16,6 +16,7 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import trio
 
+import supervisor.process
 from machine.cgroups import Cgroups, system_cgroups
 from machine.proc import read_stat
 from supervisor.output import OutputRing
@@ -23,6 +24,7 @@ from supervisor.process import (
     ConfinementFailed,
     InvalidProcessRequest,
     ProcessSpec,
+    ProcessStuck,
     build_environment,
     run_process,
     terminate_group,
@@ -46,6 +48,7 @@ class Run:
         self.stdout = OutputRing(64 * 1024)
         self.stderr = OutputRing(64 * 1024)
         self.started: list[tuple[int, int | None]] = []
+        self.stuck = 0
 
     @property
     def pid(self) -> int:
@@ -53,6 +56,9 @@ class Run:
 
     async def on_started(self, pid: int, start_ticks: int | None) -> None:
         self.started.append((pid, start_ticks))
+
+    def on_stuck(self) -> None:
+        self.stuck += 1
 
     async def __call__(
         self,
@@ -70,6 +76,7 @@ class Run:
             kill_grace=GRACE,
             cgroups=cgroups,
             parent_env=parent_env,
+            on_stuck=self.on_stuck,
         )
 
 
@@ -558,3 +565,36 @@ async def test_a_real_cgroup_kills_what_left_the_process_group() -> None:
     assert await run(argv, cgroups=found) == 0
     assert await gone_within(int(run.stdout.text()))
     assert name not in found.leftovers()
+
+
+def _survives_sigkill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group ends, yet its ending reports a member that survived SIGKILL (as one
+    stuck in the kernel would, or a sandboxed guest whose bubblewrap exited)."""
+    real = supervisor.process.terminate_group
+
+    async def survived(*args: object, **kwargs: object) -> bool:
+        await real(*args, **kwargs)  # type: ignore[arg-type]
+        return False
+
+    monkeypatch.setattr(supervisor.process, "terminate_group", survived)
+
+
+async def test_a_run_whose_group_survived_sigkill_is_stuck_however_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _survives_sigkill(monkeypatch)
+    ended = Run()
+    with pytest.raises(ProcessStuck):
+        await ended(spec("true"))  # its leader exited 0: still stuck, not succeeded
+    assert ended.stuck == 1
+    cancelled = Run()
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancelled, spec("sleep", "60"))
+            with trio.fail_after(5):
+                while not cancelled.started:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            scope.cancel()
+    assert scope.cancelled_caught  # the cancel goes on; the caller learns it all the same
+    assert cancelled.stuck == 1
+    assert Run().stuck == 0
