@@ -254,16 +254,17 @@ async def run_process(
                 gone = await terminate_sandbox(pgid, kill_grace, leader=proc, members=members)
             else:
                 gone = await terminate_group(pgid, kill_grace, leader=proc)
-        # bubblewrap may have exited while a guest process in it did not: stuck all the same.
-        stuck = not gone
-        if stuck and on_stuck is not None:
-            on_stuck()
         with trio.CancelScope(shield=True):
             if cgroup is not None and before_cgroup_end is not None:
                 await before_cgroup_end()
-        with trio.move_on_after(15, shield=True):
+        # The cgroup has the last word: a sandboxed guest's processes are in sessions of
+        # their own, so bubblewrap's group can be gone while one of them is stuck.
+        with trio.move_on_after(15, shield=True) as removing:
             if cgroup is not None:
-                await end_cgroup(cgroup, spec.cgroup_name, on_usage)
+                gone = not await end_cgroup(cgroup, spec.cgroup_name, on_usage) and gone
+        stuck = not gone or removing.cancelled_caught
+        if stuck and on_stuck is not None:
+            on_stuck()
 
     try:
         try:

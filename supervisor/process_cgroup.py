@@ -18,6 +18,7 @@ import trio
 
 from machine.cgroups import (
     CgroupError,
+    CgroupKillFailed,
     CgroupLimits,
     Cgroups,
     CgroupUsage,
@@ -130,9 +131,11 @@ async def watch_oom(cgroup: InvocationCgroup, scope: trio.CancelScope) -> None:
 
 async def end_cgroup(
     cgroup: InvocationCgroup, name: str, on_usage: Callable[[CgroupUsage], None] | None
-) -> None:
+) -> bool:
     """Once the guest's group has ended: its usage to `on_usage`, then the cgroup
-    removed, after killing whatever escaped the group. Callers shield this."""
+    removed, after killing whatever escaped the group. True when something in it
+    survived SIGKILL (stuck in the kernel): the cgroup's word, which sees a sandboxed
+    guest's processes in their own sessions too. Callers shield this."""
     # Usually nothing is left: usage and removal in one worker-thread call.
     finished = await CGROUP_THREAD.run(cgroup.finish_if_empty, shield=True)
     if finished is not None:
@@ -141,10 +144,14 @@ async def end_cgroup(
             on_usage(usage)
         if not removed:
             await cgroup.remove()
-        return
+        return False
     # What escaped the group (a setsid() grandchild) is still in the cgroup.
+    stuck = False
     try:
         await cgroup.kill()
+    except CgroupKillFailed as exc:
+        log.error("%s: %s", name, exc)
+        stuck = True
     except CgroupError as exc:
         log.error("%s: %s", name, exc)
     if on_usage is not None:
@@ -153,3 +160,4 @@ async def end_cgroup(
         except CgroupError as exc:  # unread counters never keep the cgroup
             log.error("%s: no usage: %s", name, exc)
     await cgroup.remove()
+    return stuck

@@ -598,3 +598,18 @@ async def test_a_run_whose_group_survived_sigkill_is_stuck_however_it_ended(
     assert scope.cancelled_caught  # the cancel goes on; the caller learns it all the same
     assert cancelled.stuck == 1
     assert Run().stuck == 0
+
+
+async def test_a_run_whose_cgroup_kept_a_process_past_sigkill_is_stuck(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its group ended, as bubblewrap's does while a guest in its own session is stuck.
+    async def kept(*args: object) -> bool:
+        return True
+
+    monkeypatch.setattr(supervisor.process, "end_cgroup", kept)
+    cgroups, _ = _fake_cgroups(tmp_path)
+    run = Run()
+    with pytest.raises(ProcessStuck):
+        await run(spec("true", memory_limit_bytes=LIMIT, cgroup_name="kept"), cgroups=cgroups)
+    assert run.stuck == 1
