@@ -25,7 +25,7 @@ from node.config import Config, build_config
 from node.daemon import Daemon
 from node.flags import coerce, load_flag_table, parse_argv
 from supervisor.wire import InvocationState, InvocationStatus
-from tests.helpers import guest_cwd_roots, guest_run_dir
+from tests.helpers import UNCONFINED_UNLESS_ROOT, guest_cwd_roots, guest_run_dir
 
 __all__ = [
     "SSE_CONNECTED",
@@ -83,7 +83,7 @@ def daemon_config(tmp_path: pathlib.Path, *argv: str, devices: str = "sim") -> C
         guest_cwd_roots(),
         *argv,
     ]
-    parsed = parse_argv(table, args, {}, tuple(COMMANDS))
+    parsed = parse_argv(table, args, dict(UNCONFINED_UNLESS_ROOT), tuple(COMMANDS))
     return build_config(coerce(table.flags, parsed.values))
 
 

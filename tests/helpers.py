@@ -28,6 +28,14 @@ GUEST_CWD_BASE = pathlib.Path("/var/tmp") / f"litegraph-tests-{os.getpid()}"
 GUEST_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "python3"
 
 
+# A daemon run by a normal user cannot give guests uids of their own or cgroups, so it
+# refuses process work (and is not ready): the suite's daemons run guests unconfined
+# then. What confinement itself does is tested as root; those tests skip otherwise.
+UNCONFINED_UNLESS_ROOT: dict[str, str] = (
+    {} if os.geteuid() == 0 else {"LITEGRAPH_NODE_ALLOW_UNCONFINED_GUESTS": "true"}
+)
+
+
 def guest_run_dir() -> str:
     """A fresh --guest-run-dir that guest uids can enter."""
     GUEST_BASE.mkdir(mode=0o711, exist_ok=True)
@@ -101,6 +109,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env["LITEGRAPH_NODE_GUEST_RUN_DIR"] = guest_run_dir()
     env["LITEGRAPH_NODE_GUEST_CWD_ROOTS"] = guest_cwd_roots()  # `guest_cwd` folders
+    env.update(UNCONFINED_UNLESS_ROOT)
     env.update(extra)
     return env
 
