@@ -182,14 +182,33 @@ async def wait_group_gone(pgid: int, seconds: float, leader: Leader | None = Non
     return not await wait_groups_gone((pgid,), max(0.0, deadline - trio.current_time()))
 
 
+async def _graced(pgid: int, grace: float, leader: Leader | None, hurry: trio.Event | None) -> bool:
+    """`wait_group_gone` for the grace, cut short once `hurry` is set."""
+    if hurry is None:
+        return await wait_group_gone(pgid, grace, leader)
+    gone = False
+    async with trio.open_nursery() as nursery:
+
+        async def cut_short() -> None:
+            await hurry.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cut_short)
+        gone = await wait_group_gone(pgid, grace, leader)
+        nursery.cancel_scope.cancel()
+    return gone
+
+
 async def terminate_group(
     pgid: int,
     grace: float,
     *,
     leader: Leader | None = None,
     kill_wait: float = KILL_WAIT_SECONDS,
+    hurry: trio.Event | None = None,
 ) -> bool:
     """SIGTERM the process group, wait up to `grace` for it to empty, then SIGKILL.
+    `hurry`, once set (a second Ctrl-C of the daemon), cuts the grace short.
 
     `leader`, when the group leader is our own child, is reaped along the way.
     Returns True once the group is empty, False if it survived SIGKILL for
@@ -199,7 +218,7 @@ async def terminate_group(
     """
     if not signal_group(pgid, signal.SIGTERM) and leader is None:
         return True
-    if await wait_group_gone(pgid, grace, leader):
+    if await _graced(pgid, grace, leader, hurry):
         return True
     log.info("process group %d still alive %.1f s after SIGTERM; sending SIGKILL", pgid, grace)
     signal_group(pgid, signal.SIGKILL)
@@ -216,6 +235,7 @@ async def terminate_sandbox(
     leader: Leader,
     kill_wait: float = KILL_WAIT_SECONDS,
     members: Callable[[], Iterable[int] | None] | None = None,
+    hurry: trio.Event | None = None,
 ) -> bool:
     """End a sandboxed guest whose bubblewrap, our own child `leader`, leads group
     `pgid` (its pid): SIGTERM to the guest's own processes (`sandbox_guest`), never
@@ -226,13 +246,11 @@ async def terminate_sandbox(
     its gate) or after it is gone, this is `terminate_group`. Returns as
     `terminate_group` does; callers run it shielded with a deadline too. `members`:
     what may be in the sandbox (its cgroup's pids; see `sandbox_guest`), or None when
-    that cannot be read (all of /proc is then)."""
+    that cannot be read (all of /proc is then). `hurry` as for `terminate_group`."""
     guest = sandbox_guest(pgid, None if members is None else members())
-    if not guest:
-        return await terminate_group(pgid, grace, leader=leader, kill_wait=kill_wait)
-    if not [stat for stat in guest if signal_process(stat, signal.SIGTERM)]:
-        return await terminate_group(pgid, grace, leader=leader, kill_wait=kill_wait)
-    if await wait_group_gone(pgid, grace, leader):
+    if not guest or not [stat for stat in guest if signal_process(stat, signal.SIGTERM)]:
+        return await terminate_group(pgid, grace, leader=leader, kill_wait=kill_wait, hurry=hurry)
+    if await _graced(pgid, grace, leader, hurry):
         return True
     log.info(
         "sandbox %d still alive %.1f s after SIGTERM to its guest; sending SIGKILL", pgid, grace

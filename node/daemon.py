@@ -260,11 +260,16 @@ class Daemon:
                 await self.stop.wait()
                 notify("STOPPING=1")
                 self.readiness.block("shutdown", "the node is stopping")
+                # Past all that shutdown may wait for: the grace, the guests' endings
+                # and their cleanup, and the servers' closing.
+                grace = self.config.shutdown_grace
+                waits = (
+                    self.supervisor.shutdown_seconds(grace)
+                    if self.supervisor is not None
+                    else grace
+                )
                 components.cancel_scope.deadline = (
-                    trio.current_time()
-                    + self.config.shutdown_grace
-                    + self.config.kill_grace
-                    + SHUTDOWN_MARGIN
+                    trio.current_time() + waits + SERVERS_CLOSE_SECONDS + SHUTDOWN_MARGIN
                 )
                 if self.context.events is not None:
                     # Event streams end cleanly now, inside the server's grace period.
@@ -338,6 +343,7 @@ class Daemon:
             max_kernel_seconds=config.max_kernel_seconds,
             node_url=self.url,
             kill_grace=config.kill_grace,
+            hurry=self._signals.forced,
             sandbox_pool=config.sandbox_pool,
             on_change=snapshots.mark_changed,
             guests=guests.policy,

@@ -34,11 +34,13 @@ class ForcedStop(Exception):
 
 class SignalWatcher:
     """Sets `stop` on the first signal, saying what shutdown waits for (`plan()`);
-    cancels `work` on the second. Run it in a nursery outside `work`."""
+    cancels `work` on the second and sets `forced`, which cuts guests' kill grace
+    short (their endings run shielded). Run it in a nursery outside `work`."""
 
     def __init__(self, stop: trio.Event, plan: Callable[[], str]) -> None:
         self.stop = stop
         self.work = trio.CancelScope()
+        self.forced = trio.Event()
         self.forced_by: int | None = None
         self._plan = plan
 
@@ -53,6 +55,7 @@ class SignalWatcher:
                 elif self.forced_by is None:
                     log.warning("second %s: stopping now", name)
                     self.forced_by = signum
+                    self.forced.set()
                     self.work.cancel()
 
     def raise_if_forced(self) -> None:

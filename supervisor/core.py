@@ -90,6 +90,7 @@ class Supervisor:
         logs: LogStore | None = None,
         on_lane_host_call: Callable[[str, float], None] = lambda _op, _seconds: None,
         sandbox_pool: int = 0,
+        hurry: trio.Event | None = None,
     ) -> None:
         self._state = state = SupervisorState(
             machine=machine,
@@ -102,6 +103,7 @@ class Supervisor:
             node_url=node_url,
             max_queued=max_queued,
             kill_grace=kill_grace,
+            hurry=trio.Event() if hurry is None else hurry,
             cleanup_deadline=cleanup_deadline,
             # A caller waits at least as long as its kernel may run, and then some.
             lane_work_deadline=max(lane_work_deadline, max_kernel_seconds + 30),
@@ -173,6 +175,11 @@ class Supervisor:
             state.accepting = False
             state.nursery = None
 
+    def shutdown_seconds(self, grace: float) -> float:
+        """The most `shutdown(grace)` waits: the grace, then the cancelled work's
+        endings (each guest's kill grace) and cleanup."""
+        return grace + self._state.cleanup_deadline + self._state.kill_grace
+
     async def shutdown(self, grace: float) -> None:
         """Stop admitting; give running work `grace` seconds, then cancel the rest and
         wait (bounded) until everything is released."""
@@ -183,7 +190,7 @@ class Supervisor:
                 await inv.finished.wait()
         for inv in list(state.live.values()):
             inv.cancel("shutdown")
-        with trio.move_on_after(state.cleanup_deadline + state.kill_grace):
+        with trio.move_on_after(self.shutdown_seconds(0)):
             for inv in list(state.live.values()):
                 await inv.finished.wait()
 

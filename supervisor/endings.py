@@ -47,6 +47,7 @@ class Endings:
             guests=state.guests,
             charges=state.charges,
             pool=state.pool,
+            hurry=state.hurry,
         )
 
     def _run_env(self) -> RunEnv:

@@ -202,6 +202,7 @@ async def run_process(
     before_cgroup_end: Callable[[], Awaitable[None]] | None = None,
     ready: ReadySandbox | None = None,
     on_stuck: Callable[[], None] | None = None,
+    hurry: trio.Event | None = None,
 ) -> int:
     """Run `spec` to the end and return its exit code (negative: killed by that signal).
 
@@ -217,7 +218,8 @@ async def run_process(
     group has ended, before the cgroup is emptied, read and removed. `ready`: a
     sandbox made ahead for `spec`'s shape and uid, now this run's to start or end.
     `on_stuck` is called, however the run ends, when something of it survived SIGKILL
-    (a cancel still propagates; a normal end raises ProcessStuck then).
+    (a cancel still propagates; a normal end raises ProcessStuck then). `hurry`, once
+    set (the daemon's second Ctrl-C), cuts the kill grace short.
     """
     try:
         validate_spec(spec)
@@ -251,9 +253,11 @@ async def run_process(
         with trio.move_on_after(kill_grace + 15, shield=True):
             if spec.sandbox is not None:
                 members = None if cgroup is None else functools.partial(_members, cgroup)
-                gone = await terminate_sandbox(pgid, kill_grace, leader=proc, members=members)
+                gone = await terminate_sandbox(
+                    pgid, kill_grace, leader=proc, members=members, hurry=hurry
+                )
             else:
-                gone = await terminate_group(pgid, kill_grace, leader=proc)
+                gone = await terminate_group(pgid, kill_grace, leader=proc, hurry=hurry)
         with trio.CancelScope(shield=True):
             if cgroup is not None and before_cgroup_end is not None:
                 await before_cgroup_end()

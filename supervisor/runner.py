@@ -34,6 +34,8 @@ class RunEnv:
     charges: LaneCharges  # where its lane sessions run: its guest's cgroup
     # Sandboxes made ahead for cwd-less guests; None: each guest's is made at its start.
     pool: SandboxPool | None = None
+    # Set when the daemon must stop at once (a second Ctrl-C): no more kill grace.
+    hurry: trio.Event | None = None
 
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ async def run_work(sup: RunEnv, inv: Invocation) -> int:
             before_cgroup_end=functools.partial(sup.charges.guest_ending, inv),
             ready=ready,
             on_stuck=functools.partial(_stuck, inv, guest),
+            hurry=sup.hurry,
         )
 
 

@@ -44,6 +44,8 @@ class SupervisorState:
     node_url: str
     max_queued: int
     kill_grace: float
+    # Set once the daemon must stop at once: guests' kill grace is cut short.
+    hurry: trio.Event
     cleanup_deadline: float
     lane_work_deadline: float
     retain_ended: int

@@ -215,12 +215,15 @@ def rest_of_stderr(proc: subprocess.Popen[str], timeout: float = 20.0) -> list[s
     return [line.rstrip("\n") for line in seen if line is not None]
 
 
-def submit_a_sleeper(url: str, state: pathlib.Path) -> None:
-    """One invocation of a daemon with state in `state` that runs for a minute, running
-    by the time this returns."""
+SLEEP_A_MINUTE = {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}}
+
+
+def submit_a_sleeper(url: str, state: pathlib.Path, work: object = SLEEP_A_MINUTE) -> None:
+    """One invocation of a daemon with state in `state` that runs for a minute (or runs
+    `work`), running by the time this returns."""
     body = {
         "id": "sleeper",
-        "work": {"kind": "builtin", "name": "sleep", "args": {"seconds": 60}},
+        "work": work,
         "resources": {"cpu_millis": 100, "memory_bytes": 2**20},
     }
     with httpx.Client(base_url=url, timeout=5) as client:

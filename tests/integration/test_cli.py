@@ -11,6 +11,7 @@ import pathlib
 import signal
 import socket
 import subprocess
+import time
 
 import httpx
 import msgspec
@@ -30,6 +31,8 @@ from tests.helpers import (
 )
 
 LISTENING = r"listening on (http://\S+)"
+# Its sleeps inherit the ignored SIGTERM: only SIGKILL ends it.
+STUBBORN = ["/bin/sh", "-c", "trap '' TERM; sleep 600"]
 
 
 def run(
@@ -208,10 +211,13 @@ def test_a_second_signal_stops_at_once_with_its_own_status_and_one_line(
     tmp_path: pathlib.Path, signum: signal.Signals, status: int
 ) -> None:
     state = tmp_path / "state"
-    argv = _serve_argv(state, "--listen", "127.0.0.1:0", "--shutdown-grace", "60")
+    argv = _serve_argv(
+        state, "--listen", "127.0.0.1:0", "--shutdown-grace", "60", "--kill-grace", "60"
+    )
     with spawned(argv, clean_env()) as proc:
         url = wait_for_line(proc, LISTENING)
-        submit_a_sleeper(url, state)
+        # A guest that ignores SIGTERM: stopping at once does not wait its kill grace.
+        submit_a_sleeper(url, state, {"kind": "process", "argv": STUBBORN})
         proc.send_signal(signum)
         # The first signal says what shutdown waits for, and how not to wait.
         said = wait_for_line(proc, rf"({signum.name}: stopping.*)")
@@ -219,8 +225,10 @@ def test_a_second_signal_stops_at_once_with_its_own_status_and_one_line(
             f"{signum.name}: stopping; waiting up to 60s for 1 invocation to finish"
             " (Ctrl-C again to stop now)"
         )
+        started = time.monotonic()
         proc.send_signal(signum)
-        assert proc.wait(timeout=20) == status
+        assert proc.wait(timeout=50) == status
+        assert time.monotonic() - started < 20, "the second signal waited the kill grace"
         rest = rest_of_stderr(proc)
     assert not any("Traceback" in line or "Error" in line for line in rest), rest
     assert rest[-1] == (

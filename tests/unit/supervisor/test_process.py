@@ -3,6 +3,7 @@ whole process group ends on every path (exit, cancel, deadline, error)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -613,3 +614,37 @@ async def test_a_run_whose_cgroup_kept_a_process_past_sigkill_is_stuck(
     with pytest.raises(ProcessStuck):
         await run(spec("true", memory_limit_bytes=LIMIT, cgroup_name="kept"), cgroups=cgroups)
     assert run.stuck == 1
+
+
+async def test_a_hurried_ending_does_not_wait_the_kill_grace() -> None:
+    # The daemon's second Ctrl-C: a guest that ignores SIGTERM is killed at once.
+    hurry = trio.Event()
+    out, err = OutputRing(4096), OutputRing(4096)
+    started: list[int] = []
+
+    async def on_started(pid: int, _ticks: int | None) -> None:
+        started.append(pid)
+
+    stubborn = spec("sh", "-c", "trap '' TERM; echo ready; sleep 60")
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(
+                    run_process,
+                    stubborn,
+                    stdout=out,
+                    stderr=err,
+                    on_started=on_started,
+                    kill_grace=60,
+                    cgroups=None,
+                    hurry=hurry,
+                )
+            )
+            with trio.fail_after(5):
+                while out.text() != "ready\n":  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            hurry.set()
+            cancelled_at = trio.current_time()
+            scope.cancel()
+    assert trio.current_time() - cancelled_at < 10
+    assert session_members(started[0]) == []
