@@ -144,21 +144,38 @@ def _announce_dev(url: str, daemon: Any) -> None:
     print(f"  token file:   {daemon.auth_path} (scheduler and admin secrets)", file=sys.stderr)
     print(f"  devices:      {_devices_line(daemon.machine.inventory)}", file=sys.stderr)
     print(f"  state folder: {daemon.config.state_dir}", file=sys.stderr)
-    print(f"  guest cwd:    {_cwd_line(daemon.config)}", file=sys.stderr)
+    own_uids = daemon.guests is not None and daemon.guests.policy.uids is not None
+    print(f"  guest cwd:    {_cwd_line(daemon.config, own_uids)}", file=sys.stderr)
     if daemon.guests is not None:
         print(f"  guest uids:   {daemon.guests.identity}", file=sys.stderr)
     print(f"  try:          {_client_call(daemon.config)} run -- sleep 2", file=sys.stderr)
     print("  Ctrl-C stops (a second Ctrl-C stops at once)\n", file=sys.stderr, flush=True)
 
 
-def _cwd_line(config: Config) -> str:
-    """Where a guest may start (`--guest-cwd-roots` and the writable roots), in words."""
+def _cwd_line(config: Config, own_uids: bool = False) -> str:
+    """Where a guest may start (`--guest-cwd-roots` and the writable roots), in words;
+    `own_uids`: guests run as uids of their own, which a 0700 home keeps out."""
     writable = set(config.guest_writable_roots)
     roots = dict.fromkeys((*config.guest_cwd_roots, *config.guest_writable_roots))
     if not roots:
         return "none allowed (--guest-cwd-roots): `run --cwd none` starts in its private /tmp"
     shown = [f"{root} (writable)" if root in writable else root for root in roots]
+    shown = [
+        f"{text}, though a folder above it is closed to guests (their `run` starts in /tmp)"
+        if own_uids and _closed_to_others(root)
+        else text
+        for root, text in zip(roots, shown, strict=True)
+    ]
     return "under " + ", ".join(shown) + "; elsewhere refused, `run --cwd none` starts in /tmp"
+
+
+def _closed_to_others(folder: str) -> bool:
+    """Whether a folder above `folder` does not let other uids through (a 0700 home):
+    guests, who run as uids of their own, cannot start there."""
+    try:
+        return any(not parent.stat().st_mode & 0o001 for parent in pathlib.Path(folder).parents)
+    except OSError:
+        return False
 
 
 def _devices_line(inventory: Any) -> str:

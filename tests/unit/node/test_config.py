@@ -164,6 +164,10 @@ def test_dev_lets_guests_start_where_it_started_unless_told(
         f"under {tmp_path}, /srv/w (writable); elsewhere refused, `run --cwd none` starts in /tmp"
     )
     assert "`run --cwd none`" in _cwd_line(config_from([]))
+    # Guests of their own uids cannot start under pytest's 0700 folder: said so.
+    closed = f"{tmp_path} (writable), though a folder above it is closed to guests"
+    assert _cwd_line(dev([], {}), own_uids=True).startswith(f"under {closed}")
+    assert "closed to guests" not in _cwd_line(config_from(["--guest-cwd-roots", '["/srv"]']), True)
 
 
 def test_dev_lets_guests_write_where_it_started_unless_told(
