@@ -10,9 +10,11 @@ lost for good) gets one line saying so and NODE_GONE_EXIT."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import BinaryIO, cast
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import BinaryIO, TypeVar, cast
 
 import httpx
 import msgspec
@@ -51,6 +53,8 @@ EXIT_CODES = {
     InvocationState.cancelled: 130,
     InvocationState.timed_out: 124,
 }
+# Ended by Ctrl-C, as a shell reports a death by SIGINT.
+INTERRUPTED_EXIT = 130
 # Our own stdout closed early (`run ... | head`): what a shell reports for SIGPIPE.
 BROKEN_PIPE_EXIT = 141
 SECOND_INTERRUPT = (
@@ -191,19 +195,75 @@ async def follow_command(
                 _say(err, CWD_HINT)
             return 1
         _say(err, f"{invocation_id}: submitted")
-        try:
-            return await _follow(client, invocation_id, out, err)
-        except BaseException as raised:
+        # Ctrl-C is taken as a signal, not raised as KeyboardInterrupt wherever the
+        # code happens to be (half way through a request, a lock held): it cancels the
+        # follow at its checkpoints, and a second one the wait for the cancel's answer.
+        with _interrupts() as interrupts:
             try:
-                answer = await _cancel(client, invocation_id, base_url)
-            except KeyboardInterrupt:
-                # A second Ctrl-C: stop waiting for the answer, as asked, and say so.
-                _say(err, f"\n{invocation_id}: {SECOND_INTERRUPT}")
-                raise
-            _say(err, f"\n{invocation_id}: {answer}")
-            if isinstance(raised, OutputClosed):
-                return BROKEN_PIPE_EXIT
-            raise
+                ended = await _until_interrupted(
+                    interrupts, _follow(client, invocation_id, out, err)
+                )
+                if ended is not None:
+                    return ended
+                closed = False
+            except BaseException as raised:  # the reader left, or the caller's cancel
+                closed = isinstance(raised, OutputClosed)
+                if not closed:
+                    with trio.CancelScope(shield=True):
+                        await _say_cancel(client, invocation_id, base_url, err, interrupts)
+                    raise
+            await _say_cancel(client, invocation_id, base_url, err, interrupts)
+        return BROKEN_PIPE_EXIT if closed else INTERRUPTED_EXIT
+
+
+_T = TypeVar("_T")
+
+
+def _interrupts() -> contextlib.AbstractContextManager[AsyncIterator[int] | None]:
+    """Ctrl-C's signals, where they arrive: only Python's main thread gets them."""
+    if threading.current_thread() is threading.main_thread():
+        return trio.open_signal_receiver(signal.SIGINT)
+    return contextlib.nullcontext()
+
+
+async def _until_interrupted(
+    interrupts: AsyncIterator[int] | None, work: Coroutine[object, object, _T]
+) -> _T | None:
+    """What `work` returns, or None once an interrupt came (`work` cancelled); what
+    `work` raises, as it raised it."""
+    if interrupts is None:
+        return await work
+    found: list[_T] = []
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for _ in interrupts:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            async def run() -> None:
+                found.append(await work)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            nursery.start_soon(run)
+    except BaseExceptionGroup as group:
+        # Only `work` raises (or both tasks an outer cancel's Cancelled): not wrapped.
+        raise group.exceptions[0] from None
+    return found[0] if found else None
+
+
+async def _say_cancel(
+    client: httpx.AsyncClient,
+    invocation_id: str,
+    base_url: str,
+    err: BinaryIO,
+    interrupts: AsyncIterator[int] | None,
+) -> None:
+    """Ask the node to cancel and say its answer; a second Ctrl-C stops the wait."""
+    answer = await _until_interrupted(interrupts, _cancel(client, invocation_id, base_url))
+    _say(err, f"\n{invocation_id}: {SECOND_INTERRUPT if answer is None else answer}")
 
 
 def _gone(base_url: str) -> str:
@@ -218,7 +278,9 @@ def _ending(status: InvocationStatus) -> str:
 async def _cancel(client: httpx.AsyncClient, invocation_id: str, base_url: str) -> str:
     """Ask the node to cancel (Ctrl-C, or the reader left) and say what it answered:
     the state it ended in, why it was not cancelled, or that no answer came in time."""
-    with trio.move_on_after(REQUEST_SECONDS, shield=True):
+    # Not shielded here: a second Ctrl-C stops it (`_say_cancel`); the caller's own
+    # cancel is shielded from by follow_command.
+    with trio.move_on_after(REQUEST_SECONDS):
         try:
             reply = await client.delete(f"/v1/invocations/{invocation_id}")
         except httpx.TimeoutException:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 from typing import Any
 
 import httpx
@@ -324,16 +326,54 @@ async def test_a_cancel_answer_that_cannot_be_read_is_not_taken_for_a_cancel(
     assert said == "not cancelled: the node's answer could not be read"
 
 
-async def test_a_second_interrupt_during_the_cancel_stops_waiting_and_says_so(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    async def interrupted(request: httpx.Request) -> httpx.Response:
-        raise KeyboardInterrupt  # as trio delivers Ctrl-C, shielded scope or not
+async def _interrupted(
+    monkeypatch: pytest.MonkeyPatch, delete: Any, interrupts: int
+) -> tuple[int, list[str]]:
+    """`run` given `interrupts` Ctrl-Cs (real SIGINTs), the next once the node has the
+    DELETE: its exit status and what it said after "submitted"."""
+    deleting = trio.Event()
 
-    _patch(monkeypatch, _cancel_answered(interrupted))
+    async def seen(request: httpx.Request) -> httpx.Response:
+        deleting.set()
+        answer: httpx.Response = await delete(request)
+        return answer
+
+    _patch(monkeypatch, _cancel_answered(seen))
     err = io.BytesIO()
     request = InvocationRequest(id="run-9", work=ProcessWork(argv=["sleep", "60"]))
-    with trio.fail_after(5), pytest.raises(KeyboardInterrupt):
-        await follow_command("http://node", "s", request, out=_ClosedPipe(), err=err)
-    said = err.getvalue().decode().splitlines()
-    assert said[-1] == f"run-9: {api.run_client.SECOND_INTERRUPT}", said
+    code: list[int] = []
+
+    async def run() -> None:
+        code.append(await follow_command("http://node", "s", request, out=io.BytesIO(), err=err))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while b"submitted" not in err.getvalue():  # noqa: ASYNC110 - its receiver is open then
+                await trio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+            if interrupts > 1:
+                await deleting.wait()
+                os.kill(os.getpid(), signal.SIGINT)
+    return code[0], err.getvalue().decode().splitlines()[1:]
+
+
+async def test_ctrl_c_cancels_the_invocation_and_says_what_the_node_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def answered(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=_status("run-9", "cancelled", reason="cancel_requested"))
+
+    code, said = await _interrupted(monkeypatch, answered, 1)
+    assert (code, said[-1]) == (130, "run-9: cancelled (cancel_requested)"), said
+
+
+async def test_a_second_ctrl_c_during_the_cancel_stops_waiting_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def silent(request: httpx.Request) -> httpx.Response:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    code, said = await _interrupted(monkeypatch, silent, 2)
+    assert (code, said[-1]) == (130, f"run-9: {api.run_client.SECOND_INTERRUPT}"), said
