@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from machine.cgroups import pool_cgroup_prefix, system_cgroups
+from machine.journal import JournalError
 from tests.adversarial.fixtures import Node, subprocess_node
 from tests.confinement.guests import confined_node, process, python, run_to_end
 from tests.confinement.test_guest_endings import CHILD_TRAPS_TERM, cancelled_when_ready, guest
@@ -195,3 +196,30 @@ async def test_every_process_of_a_pooled_guest_gets_the_grace(tmp_path: pathlib.
         stdout, _took = await cancelled_when_ready(node, CHILD_TRAPS_TERM)
         assert stdout == b"ready\ncleaned\n"
         assert (await _pool_figures(node))["ready"] == 1
+
+
+async def test_a_pooled_guest_whose_start_cannot_be_journaled_never_runs(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As for a direct start: a crash could leave it unrecorded, so its stage gets no
+    # message and the sandbox is ended; the pool goes on with the next guest.
+    async with confined_node(tmp_path) as node:
+        assert (await run_to_end(node, process(["true"])))["state"] == "succeeded"
+        await _pool_filled(node)
+        machine = node.daemon.machine
+        assert machine is not None
+        real = machine.process_started
+
+        async def refused(*args: object) -> None:
+            raise JournalError("injected: the start record cannot be written")
+
+        monkeypatch.setattr(machine, "process_started", refused)
+        said = process(["sh", "-c", "echo ran"])
+        failed = await run_to_end(node, said)
+        assert failed["state"] == "failed" and "JournalError" in failed["reason"], failed
+        assert "ran" not in failed["stdout_tail"]
+        assert (await _pool_figures(node))["ready"] == 1  # it was a pooled start
+        monkeypatch.setattr(machine, "process_started", real)
+        await _pool_filled(node)
+        again = await run_to_end(node, process(["sh", "-c", "echo ran"]))
+        assert again["state"] == "succeeded" and again["stdout_tail"] == "ran\n", again
