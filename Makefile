@@ -5,11 +5,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PACKAGES := lanehost capabilities machine supervisor api node
+PACKAGES := lanehost capabilities machine supervisor api node kubeplugin
 # Test workers (pytest-xdist); each gets cgroups of its own (tests/worker_cgroups.py).
 PYTEST_WORKERS ?= 2
 
-.PHONY: run test lint typecheck pytest bench contracts certify-gpu clean system-run system-test
+.PHONY: run test lint typecheck pytest bench contracts protos certify-gpu clean system-run system-test
 
 # Debian packages pip cannot bring: the guest sandbox, the setuid helpers that map a
 # normal user's subordinate uids for `dev` guests, and a browser for the page test.
@@ -53,6 +53,10 @@ bench: $(STAMP) $(GATE)
 
 contracts: $(STAMP)
 	$(BIN)/litegraph-node contracts
+
+# kubeplugin's gRPC stubs from its .proto contracts (a test checks them for drift).
+protos: $(STAMP)
+	PYTHON=$(BIN)/python sh scripts/generate-protos .
 
 # On a machine with an NVIDIA GPU: one PASS/FAIL line per check in certify-results/.
 # DEVICES=sim is the dry run; WHEELS=dir installs offline from a folder of wheels.

@@ -12,9 +12,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The floors, bottom up (docs/architecture.md): each top-level package is on one floor,
 # and a module imports only its own package and packages of the floors below it.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    # The bottom floor: three packages that import nothing of each other. "lanehost" is
-    # the lane host process, "capabilities" the tokens, "machine" the machine model.
-    ("lanehost", "capabilities", "machine"),
+    # The bottom floor: packages that import nothing of each other. "lanehost" is the
+    # lane host process, "capabilities" the tokens, "machine" the machine model,
+    # "kubeplugin" the Kubernetes DRA kubelet plugin's sockets.
+    ("lanehost", "capabilities", "machine", "kubeplugin"),
     ("supervisor",),
     ("api",),
     # The application (CLI, flags, config, daemon wiring): it may import every floor.
@@ -27,9 +28,10 @@ ALLOWED = {
     "lanehost": set(),
     "machine": set(),
     "capabilities": set(),
+    "kubeplugin": set(),
     "supervisor": {"lanehost", "machine", "capabilities"},
     "api": {"machine", "capabilities", "supervisor"},
-    "node": {"lanehost", "machine", "capabilities", "supervisor", "api"},
+    "node": {"lanehost", "machine", "capabilities", "kubeplugin", "supervisor", "api"},
 }
 # The modules of the project, by dotted name, found from the files in the checkout.
 MODULES = {

@@ -1,0 +1,152 @@
+"""The kubelet plugin against a fake kubelet (a grpcio client on temporary sockets):
+registration, per-claim answers, bounded calls, and GetInfo while a Prepare waits."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import pytest
+import trio
+
+from kubeplugin.contracts import dra_pb2, dra_pb2_grpc, registration_pb2, registration_pb2_grpc
+from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice, RegistrationState, serve_plugin
+from kubeplugin.sockets import DRIVER_NAME, PluginSockets, SocketError
+
+READY = ClaimResult(
+    devices=(
+        PreparedDevice(
+            pool_name="node-a",
+            device_name="gpu-0",
+            request_names=("gpu",),
+            cdi_device_ids=(f"{DRIVER_NAME}/claim=uid-ok",),
+        ),
+    )
+)
+
+
+class Handler:
+    """Prepares `uid-ok`, refuses `uid-bad`, says nothing of others; `delay` stalls."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.prepared: list[list[str]] = []
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, ClaimResult]:
+        self.prepared.append([c.uid for c in claims])
+        await trio.sleep(self.delay)
+        answers = {"uid-ok": READY, "uid-bad": ClaimResult(error="lane_unhealthy: gpu-0")}
+        return {c.uid: answers[c.uid] for c in claims if c.uid in answers}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
+        return {c.uid: "" for c in claims}
+
+
+@contextlib.asynccontextmanager
+async def plugin(
+    handler: Handler, call_seconds: float = 30.0
+) -> AsyncIterator[tuple[PluginSockets, RegistrationState]]:
+    base = pathlib.Path(tempfile.mkdtemp(prefix="lg-dra-", dir="/tmp"))  # short socket paths
+    try:
+        sockets = PluginSockets.for_driver(
+            DRIVER_NAME, registry=base / "plugins_registry", plugins=base / "plugins"
+        )
+        async with trio.open_nursery() as nursery:
+            state = await nursery.start(
+                lambda task_status: serve_plugin(
+                    sockets, handler, call_seconds=call_seconds, task_status=task_status
+                )
+            )
+            yield sockets, state
+            nursery.cancel_scope.cancel()
+        assert not sockets.registration.exists() and not sockets.service.exists()
+    finally:
+        shutil.rmtree(base)
+
+
+def _call(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
+    """One call as kubelet makes it (blocking: run it off the trio thread)."""
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        return getattr(stub_type(channel), method)(request, timeout=45)
+
+
+async def kubelet(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
+    return await trio.to_thread.run_sync(_call, path, stub_type, method, request)
+
+
+def _claims(*uids: str) -> list[Any]:
+    return [dra_pb2.Claim(namespace="ns", uid=uid, name=f"claim-{uid}") for uid in uids]
+
+
+async def test_kubelet_registers_the_plugin_then_prepares_each_claim_on_its_own() -> None:
+    handler = Handler()
+    async with plugin(handler) as (sockets, state):
+        reg = registration_pb2_grpc.RegistrationStub
+        info = await kubelet(sockets.registration, reg, "GetInfo", registration_pb2.InfoRequest())
+        assert (info.type, info.name, info.endpoint) == (
+            "DRAPlugin", DRIVER_NAME, str(sockets.service),
+        )  # fmt: skip
+        assert list(info.supported_versions) == ["v1.DRAPlugin"]
+        status = registration_pb2.RegistrationStatus(plugin_registered=True)
+        await kubelet(sockets.registration, reg, "NotifyRegistrationStatus", status)
+        assert (state.registered, state.notified) == (True, 1)
+        node = dra_pb2_grpc.DRAPluginStub
+        request = dra_pb2.NodePrepareResourcesRequest(claims=_claims("uid-ok", "uid-bad", "uid-x"))
+        reply = await kubelet(sockets.service, node, "NodePrepareResources", request)
+        ok, bad, unknown = (reply.claims[uid] for uid in ("uid-ok", "uid-bad", "uid-x"))
+        assert ok.error == "" and len(ok.devices) == 1
+        device = ok.devices[0]
+        assert (device.pool_name, device.device_name, list(device.request_names)) == (
+            "node-a", "gpu-0", ["gpu"],
+        )  # fmt: skip
+        assert list(device.cdi_device_ids) == [f"{DRIVER_NAME}/claim=uid-ok"]
+        assert not device.HasField("share_id")
+        assert bad.error == "lane_unhealthy: gpu-0" and not bad.devices
+        assert unknown.error.startswith("no_answer:")
+        assert handler.prepared == [["uid-ok", "uid-bad", "uid-x"]]  # one batch
+        undo = dra_pb2.NodeUnprepareResourcesRequest(claims=_claims("uid-ok", "uid-never"))
+        undone = await kubelet(sockets.service, node, "NodeUnprepareResources", undo)
+        assert {uid: e.error for uid, e in undone.claims.items()} == {"uid-ok": "", "uid-never": ""}
+
+
+async def test_a_prepare_past_its_bound_answers_each_claim_and_getinfo_stays_fast() -> None:
+    handler = Handler(delay=60)
+    async with plugin(handler, call_seconds=1.0) as (sockets, _state):
+        async with trio.open_nursery() as nursery:
+            replies: list[Any] = []
+
+            async def prepare() -> None:
+                request = dra_pb2.NodePrepareResourcesRequest(claims=_claims("uid-ok", "uid-bad"))
+                node = dra_pb2_grpc.DRAPluginStub
+                replies.append(
+                    await kubelet(sockets.service, node, "NodePrepareResources", request)
+                )
+
+            nursery.start_soon(prepare)
+            while not handler.prepared:  # noqa: ASYNC110 - the Prepare is waiting on trio
+                await trio.sleep(0.01)
+            started = time.monotonic()
+            reg = registration_pb2_grpc.RegistrationStub
+            await kubelet(sockets.registration, reg, "GetInfo", registration_pb2.InfoRequest())
+            assert time.monotonic() - started < 1.0  # kubelet's liveness poll is not held up
+        errors = {uid: entry.error for uid, entry in replies[0].claims.items()}
+        assert errors == {
+            "uid-ok": "prepare_timeout: no answer in 1 s",
+            "uid-bad": "prepare_timeout: no answer in 1 s",
+        }
+
+
+def test_a_driver_name_or_socket_path_kubelet_would_refuse_is_refused() -> None:
+    with pytest.raises(SocketError, match="DNS subdomain"):
+        PluginSockets.for_driver("Lanes_Litegraph")
+    with pytest.raises(SocketError, match="longer than a Unix socket path"):
+        PluginSockets.for_driver(DRIVER_NAME, plugins=pathlib.Path("/" + "p" * 100))
+    found = PluginSockets.for_driver(DRIVER_NAME)
+    assert str(found.registration) == f"/var/lib/kubelet/plugins_registry/{DRIVER_NAME}-reg.sock"
+    assert str(found.service) == f"/var/lib/kubelet/plugins/{DRIVER_NAME}/dra.sock"
