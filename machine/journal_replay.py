@@ -182,14 +182,15 @@ def _scan_frames(data: bytes, state: LiveState) -> Scan:
     return Scan(count, offset)
 
 
-def write_aside(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` (0600): temp file, fsync, rename, fsync the dir."""
+def write_aside(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace `path` with `data` (`mode`): temp file, fsync, rename, fsync the dir."""
     tmp = path.with_name("." + path.name + ".tmp")
     tmp.unlink(missing_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600)
     try:
         write_all(fd, data)
+        os.fchmod(fd, mode)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from machine.journal_replay import write_aside
 from supervisor.sandbox import STAGE_PATH
 
 __all__ = [
@@ -64,14 +65,7 @@ def install_keeper(gate: Path, folder: Path) -> Path:
     binds it as the guest's keeper, and a venv in a 0700 home is out of that uid's reach.
     Written aside and renamed over, so a guest starting meanwhile sees a whole file."""
     target = folder / GATE_NAME
-    aside = folder / f".{GATE_NAME}.{os.getpid()}"
-    try:
-        aside.write_bytes(gate.read_bytes())
-        aside.chmod(0o555)
-        aside.replace(target)
-    except BaseException:
-        aside.unlink(missing_ok=True)
-        raise
+    write_aside(target, gate.read_bytes(), mode=0o555)
     return target
 
 
