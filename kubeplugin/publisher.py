@@ -1,0 +1,107 @@
+"""Publishing the node's devices as ResourceSlices through the API server, and keeping
+them published: kubelet deletes a node's slices when it starts and after a driver
+unregisters, so each round compares what the API server holds with what the node has
+and puts back what is missing.
+
+One round (`publish`) lists this driver's slices for this node, then creates what is
+missing, replaces what differs and deletes what is left over, each request bounded.
+The pool's generation goes up whenever the devices change, in every slice of the pool,
+and always above what the API server already holds (a restarted daemon's first round).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx2
+import trio
+from lightkube import AsyncClient
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.resource_v1 import ResourceSlice
+
+from kubeplugin.slices import OfferedDevice, resource_slices
+from kubeplugin.sockets import DRIVER_NAME
+
+__all__ = ["REQUEST_SECONDS", "PublishError", "SlicePublisher"]
+
+log = logging.getLogger(__name__)
+
+# One request to the API server.
+REQUEST_SECONDS = 10.0
+
+
+class PublishError(RuntimeError):
+    """The API server did not take the node's slices (unreachable, or it refused)."""
+
+
+class SlicePublisher:
+    def __init__(
+        self,
+        client: AsyncClient,
+        node: str,
+        devices: Callable[[], Sequence[OfferedDevice]],
+        *,
+        now: Callable[[], str],
+        driver: str = DRIVER_NAME,
+    ) -> None:
+        self._client = client
+        self._node = node
+        self._devices = devices
+        self._now = now
+        self._driver = driver
+        self._published: tuple[OfferedDevice, ...] | None = None
+        self.generation = 0
+
+    async def publish(self) -> int:
+        """One round; returns how many requests changed something. PublishError if the
+        API server could not be reached or refused a request."""
+        try:
+            with trio.fail_after(REQUEST_SECONDS):
+                held = {d["metadata"]["name"]: d for d in await self._held()}
+            devices = tuple(self._devices())
+            if devices != self._published:
+                top = max((d["spec"]["pool"]["generation"] for d in held.values()), default=0)
+                self.generation = max(self.generation, top) + 1
+            wanted = {
+                s["metadata"]["name"]: s
+                for s in resource_slices(
+                    self._node,
+                    devices,
+                    generation=self.generation,
+                    added_at=self._now(),
+                    driver=self._driver,
+                )
+            }
+            changed = 0
+            for name, slice_ in wanted.items():
+                have = held.pop(name, None)
+                if have is None:
+                    await self._bounded(self._client.create(ResourceSlice.from_dict(slice_)))
+                elif have["spec"] != slice_["spec"]:
+                    slice_["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
+                    await self._bounded(self._client.replace(ResourceSlice.from_dict(slice_)))
+                else:
+                    continue
+                changed += 1
+            for name in held:
+                await self._bounded(self._client.delete(ResourceSlice, name))
+                changed += 1
+        except trio.TooSlowError:
+            raise PublishError(f"the API server did not answer in {REQUEST_SECONDS:g} s") from None
+        except ApiError as exc:
+            raise PublishError(f"the API server refused: {exc.status.message}") from exc
+        except httpx2.TransportError as exc:  # refused, reset, cut
+            raise PublishError(f"the API server is unreachable: {exc!r}") from exc
+        self._published = devices
+        return changed
+
+    async def _held(self) -> list[dict[str, Any]]:
+        """This driver's slices for this node, as the API server holds them."""
+        fields: dict[str, Any] = {"spec.nodeName": self._node, "spec.driver": self._driver}
+        return [s.to_dict() async for s in self._client.list(ResourceSlice, fields=fields)]
+
+    async def _bounded(self, request: Any) -> None:
+        with trio.fail_after(REQUEST_SECONDS):
+            await request

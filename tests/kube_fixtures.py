@@ -1,0 +1,120 @@
+"""A fake Kubernetes API server on loopback: enough of `resource.k8s.io/v1` for the
+real client library (lightkube) to list, create, replace and delete ResourceSlices,
+each request recorded, every stored object given a resourceVersion as the API server
+does; a PUT with a stale one is refused 409."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from lightkube import AsyncClient
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.config.models import Cluster, User
+
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+class FakeApiServer:
+    def __init__(self) -> None:
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.requests: list[tuple[str, str]] = []
+        self._version = 0
+        self.url = ""
+
+    def _stored(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self._version += 1
+        obj["metadata"]["resourceVersion"] = str(self._version)
+        self.slices[obj["metadata"]["name"]] = obj
+        return obj
+
+    def answer(self, method: str, target: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        parsed = urllib.parse.urlsplit(target)
+        self.requests.append((method, parsed.path))
+        name = parsed.path.removeprefix(SLICES).strip("/")
+        if method == "GET" and not name:
+            query = urllib.parse.parse_qs(parsed.query)
+            wanted = dict(
+                pair.split("=", 1) for q in query.get("fieldSelector", []) for pair in q.split(",")
+            )
+            items = [
+                s for s in self.slices.values()
+                if all(_field(s, key) == value for key, value in wanted.items())
+            ]  # fmt: skip
+            return 200, {
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList",
+                "metadata": {"resourceVersion": str(self._version)}, "items": items,
+            }  # fmt: skip
+        if method == "POST" and not name:
+            obj = json.loads(body)
+            if obj["metadata"]["name"] in self.slices:
+                return 409, _status(409, "AlreadyExists")
+            return 201, self._stored(obj)
+        if name not in self.slices:
+            return 404, _status(404, "NotFound")
+        if method == "PUT":
+            obj = json.loads(body)
+            if (
+                obj["metadata"].get("resourceVersion")
+                != self.slices[name]["metadata"]["resourceVersion"]
+            ):
+                return 409, _status(409, "Conflict")
+            return 200, self._stored(obj)
+        if method == "DELETE":
+            del self.slices[name]
+            return 200, _status(200, "Success")
+        return 405, _status(405, "MethodNotAllowed")
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        data = b""
+        async with stream:
+            while b"\r\n\r\n" not in data:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            method, target, _version = lines[0].split(" ", 2)
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+            length = int(headers.get("content-length", "0"))
+            while len(body) < length:
+                body += await stream.receive_some(65536)
+            status, answer = self.answer(method, target, body)
+            payload = json.dumps(answer).encode()
+            await stream.send_all(
+                f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
+            )
+
+
+def _field(obj: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        obj = obj.get(part, {}) if isinstance(obj, dict) else {}
+    return obj
+
+
+def _status(code: int, reason: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure" if code >= 400 else "Success",
+            "code": code, "reason": reason, "message": reason}  # fmt: skip
+
+
+def client_for(url: str) -> AsyncClient:
+    config = KubeConfig.from_one(cluster=Cluster(server=url), user=User(token="test-token"))
+    return AsyncClient(config)
+
+
+@contextlib.asynccontextmanager
+async def fake_api_server() -> AsyncIterator[FakeApiServer]:
+    server = FakeApiServer()
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        server.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        nursery.start_soon(trio.serve_listeners, server.handle, listeners)
+        yield server
+        nursery.cancel_scope.cancel()

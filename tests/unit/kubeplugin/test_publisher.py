@@ -1,0 +1,73 @@
+"""Publishing the node's devices as ResourceSlices through the real client library
+against a fake API server: created once, left alone while nothing changes, put back
+after kubelet wipes them, replaced with a higher generation on a change, and a typed
+error when the API server cannot be reached."""
+
+from __future__ import annotations
+
+import trio
+
+from kubeplugin.publisher import PublishError, SlicePublisher
+from kubeplugin.slices import OfferedDevice
+from tests.kube_fixtures import SLICES, client_for, fake_api_server
+
+GIB = 1 << 30
+WHEN = "2026-12-02T12:00:00Z"
+
+
+def _devices(count: int, health: str = "ok") -> list[OfferedDevice]:
+    return [OfferedDevice(f"gpu-{i}", 80 * GIB, health=health) for i in range(count)]  # type: ignore[arg-type]
+
+
+def _generations(slices: dict[str, dict[str, object]]) -> set[object]:
+    return {s["spec"]["pool"]["generation"] for s in slices.values()}  # type: ignore[index]
+
+
+async def test_slices_are_published_kept_put_back_and_bumped_on_a_change() -> None:
+    offered = _devices(2)
+    async with fake_api_server() as api:
+        client = client_for(api.url)
+        try:
+            publisher = SlicePublisher(client, "node-a", lambda: offered, now=lambda: WHEN)
+            assert await publisher.publish() == 1
+            (name,) = api.slices
+            assert name == "node-a-lanes.litegraph.dev-0" and _generations(api.slices) == {1}
+            devices = api.slices[name]["spec"]["devices"]
+            assert [d["name"] for d in devices] == ["gpu-0", "gpu-1"]
+            assert await publisher.publish() == 0  # nothing changed: only a list
+            assert api.requests[-1] == ("GET", SLICES)
+            api.slices.clear()  # kubelet wipes the node's slices at its start
+            assert await publisher.publish() == 1
+            assert _generations(api.slices) == {1}  # the same devices: the same generation
+            offered[:] = _devices(100, health="unhealthy")  # tainted: 64 a slice
+            assert await publisher.publish() == 2  # one replaced, one created
+            assert len(api.slices) == 2 and _generations(api.slices) == {2}
+            offered[:] = _devices(1)
+            assert await publisher.publish() == 2  # one replaced, the other deleted
+            assert list(api.slices) == [name] and _generations(api.slices) == {3}
+            # A restarted daemon's publisher goes on above what the API server holds.
+            again = SlicePublisher(client, "node-a", lambda: _devices(2), now=lambda: WHEN)
+            assert await again.publish() == 1 and _generations(api.slices) == {4}
+            # Another node's slices are not this node's to touch.
+            other = SlicePublisher(client, "node-b", lambda: _devices(1), now=lambda: WHEN)
+            await other.publish()
+            assert await again.publish() == 0 and len(api.slices) == 2
+        finally:
+            await client.close()
+
+
+async def test_an_unreachable_api_server_is_a_typed_error() -> None:
+    async with fake_api_server() as api:
+        url = api.url
+    client = client_for(url)  # its port is closed now
+    try:
+        publisher = SlicePublisher(client, "node-a", lambda: _devices(1), now=lambda: WHEN)
+        with trio.fail_after(30):
+            try:
+                await publisher.publish()
+            except PublishError as exc:
+                assert "unreachable" in str(exc)
+            else:
+                raise AssertionError("published to a closed port")
+    finally:
+        await client.close()
