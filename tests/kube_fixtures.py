@@ -1,5 +1,6 @@
 """A fake Kubernetes API server on loopback: enough of `resource.k8s.io/v1` for the
-real client library (lightkube) to list, create, replace and delete ResourceSlices,
+real client library (lightkube) to read ResourceClaims and to list, create, replace and
+delete ResourceSlices,
 each request recorded, every stored object given a resourceVersion as the API server
 does; a PUT with a stale one is refused 409."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,11 +19,14 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+CLAIMS = re.compile(r"/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)")
 
 
 class FakeApiServer:
     def __init__(self) -> None:
         self.slices: dict[str, dict[str, Any]] = {}
+        # ResourceClaims by (namespace, name), served read-only.
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self._version = 0
         self.url = ""
@@ -35,6 +40,11 @@ class FakeApiServer:
     def answer(self, method: str, target: str, body: bytes) -> tuple[int, dict[str, Any]]:
         parsed = urllib.parse.urlsplit(target)
         self.requests.append((method, parsed.path))
+        if (claim := CLAIMS.fullmatch(parsed.path)) is not None:
+            found = self.claims.get((claim.group(1), claim.group(2)))
+            if method != "GET" or found is None:
+                return 404, _status(404, "NotFound")
+            return 200, found
         name = parsed.path.removeprefix(SLICES).strip("/")
         if method == "GET" and not name:
             query = urllib.parse.parse_qs(parsed.query)

@@ -1,0 +1,138 @@
+"""A ResourceClaim as Prepare needs it: read from the API server (kubelet's request
+names only the claim), checked, and turned into what to prepare on this node.
+
+Checked, each failure a typed reason for that claim alone: the claim is the one kubelet
+named (its UID), the scheduler has allocated it, and at least one of its results is this
+driver's on this node's pool. Results of other drivers are theirs to prepare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import trio
+from lightkube import AsyncClient
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.resource_v1 import ResourceClaim
+
+from kubeplugin.server import ClaimRef
+from kubeplugin.sockets import DRIVER_NAME
+
+__all__ = [
+    "READ_SECONDS",
+    "AllocatedDevice",
+    "ClaimPlan",
+    "ClaimRefused",
+    "plan_claim",
+    "read_claim",
+]
+
+READ_SECONDS = 10.0
+
+
+class ClaimRefused(Exception):
+    """Why a claim cannot be prepared here: `reason` is the per-claim error's code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class AllocatedDevice:
+    """One of this driver's allocation results: which device, for which request, and
+    for a shared device the part it took (its share id and `memory`, in bytes)."""
+
+    request: str
+    device: str
+    share_id: str | None = None
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    claim: ClaimRef
+    devices: tuple[AllocatedDevice, ...]
+    # The pods the claim is reserved for: the only ones its token may serve.
+    pod_uids: tuple[str, ...]
+
+
+_UNITS = {
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+}
+
+
+def _quantity(text: str) -> int:
+    """A Kubernetes quantity of bytes (`20Gi`, `1500M`, `1073741824`) as an int."""
+    for suffix, factor in sorted(_UNITS.items(), key=lambda item: -len(item[0])):
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor
+    return int(text)
+
+
+def plan_claim(
+    ref: ClaimRef, claim: Mapping[str, Any], *, node: str, driver: str = DRIVER_NAME
+) -> ClaimPlan:
+    """What to prepare for `claim` (a ResourceClaim as the API server returns it)."""
+    uid = claim.get("metadata", {}).get("uid")
+    if uid != ref.uid:
+        raise ClaimRefused(
+            "claim_uid_mismatch", f"kubelet named {ref.uid}, the API server has {uid}"
+        )
+    status = claim.get("status") or {}
+    allocation = status.get("allocation")
+    if not allocation:
+        raise ClaimRefused("claim_not_allocated", f"{ref.namespace}/{ref.name} has no allocation")
+    devices = []
+    for result in allocation.get("devices", {}).get("results", []):
+        if result.get("driver") != driver:
+            continue
+        if result.get("pool") != node:
+            raise ClaimRefused(
+                "claim_other_node", f"device {result.get('device')} is in pool {result.get('pool')}"
+            )
+        memory = (result.get("consumedCapacity") or {}).get("memory")
+        try:
+            devices.append(
+                AllocatedDevice(
+                    request=result["request"],
+                    device=result["device"],
+                    share_id=result.get("shareID"),
+                    memory_bytes=None if memory is None else _quantity(str(memory)),
+                )
+            )
+        except (KeyError, ValueError) as exc:
+            raise ClaimRefused("claim_malformed", f"an allocation result: {exc!r}") from None
+    if not devices:
+        raise ClaimRefused("claim_not_ours", f"no device of {driver} is allocated to it")
+    pods = tuple(
+        consumer["uid"]
+        for consumer in status.get("reservedFor", [])
+        if consumer.get("resource") == "pods" and consumer.get("uid")
+    )
+    return ClaimPlan(ref, tuple(devices), pods)
+
+
+async def read_claim(client: AsyncClient, ref: ClaimRef) -> dict[str, Any]:
+    """The claim as the API server holds it; ClaimRefused when it cannot be had."""
+    try:
+        with trio.fail_after(READ_SECONDS):
+            found = await client.get(ResourceClaim, ref.name, namespace=ref.namespace)
+    except trio.TooSlowError:
+        raise ClaimRefused("claim_unreadable", f"no answer in {READ_SECONDS:g} s") from None
+    except ApiError as exc:
+        reason = "claim_not_found" if exc.status.code == 404 else "claim_unreadable"
+        raise ClaimRefused(reason, str(exc.status.message)) from None
+    except httpx2.TransportError as exc:
+        raise ClaimRefused("claim_unreadable", f"the API server is unreachable: {exc!r}") from None
+    claim: dict[str, Any] = found.to_dict()
+    return claim

@@ -1,0 +1,118 @@
+"""A ResourceClaim read from the API server and turned into what to prepare here, or a
+typed per-claim reason why not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kubeplugin.claims import AllocatedDevice, ClaimRefused, plan_claim, read_claim
+from kubeplugin.server import ClaimRef
+from tests.kube_fixtures import client_for, fake_api_server
+
+REF = ClaimRef(namespace="team-a", uid="9d1c0e52-7a43-4f1b-bc7e-6a2e8f0d4c11", name="train-gpu")
+POD = "0f6a3c7e-2b1d-4e8a-9f5c-1d7b3a9e6c20"
+VRAM_CLASS = {"deviceClassName": "vram.lanes.litegraph.dev"}
+# A device of another driver, allocated to the same claim: that driver's to prepare.
+NIC = {"request": "nic", "driver": "nics.example.com", "pool": "node-a", "device": "eth1"}
+
+
+def _claim(**status: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": REF.name, "namespace": REF.namespace, "uid": REF.uid},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {"name": "vram", "exactly": {"deviceClassName": "vram.lanes.litegraph.dev"}}
+                ]
+            }
+        },
+        "status": status,
+    }
+
+
+ALLOCATED = {
+    "allocation": {
+        "devices": {
+            "results": [
+                {
+                    "request": "vram",
+                    "driver": "lanes.litegraph.dev",
+                    "pool": "node-a",
+                    "device": "gpu-0-shared",
+                    "shareID": "5b7e1c2a-0d4f-4a9b-8c3e-7f1a2b3c4d5e",
+                    "consumedCapacity": {"memory": "20Gi"},
+                },
+                {
+                    "request": "nic",
+                    "driver": "nics.example.com",
+                    "pool": "node-a",
+                    "device": "eth1",
+                },
+            ]
+        }
+    },
+    "reservedFor": [{"resource": "pods", "name": "train-0", "uid": POD}],
+}
+
+
+def test_an_allocated_claim_is_its_devices_share_and_pods_here() -> None:
+    plan = plan_claim(REF, _claim(**ALLOCATED), node="node-a")
+    assert plan.devices == (
+        AllocatedDevice(
+            request="vram",
+            device="gpu-0-shared",
+            share_id="5b7e1c2a-0d4f-4a9b-8c3e-7f1a2b3c4d5e",
+            memory_bytes=20 << 30,
+        ),
+    )  # fmt: skip  (the other driver's result is its own)
+    assert plan.pod_uids == (POD,)
+
+
+@pytest.mark.parametrize(
+    ("claim", "reason"),
+    [
+        (_claim(), "claim_not_allocated"),
+        ({**_claim(**ALLOCATED), "metadata": {"uid": "someone-else"}}, "claim_uid_mismatch"),
+        (
+            _claim(
+                allocation={
+                    "devices": {"results": [ALLOCATED["allocation"]["devices"]["results"][1]]}
+                }
+            ),
+            "claim_not_ours",
+        ),
+    ],
+)
+def test_a_claim_that_cannot_be_prepared_here_says_why(claim: dict[str, Any], reason: str) -> None:
+    with pytest.raises(ClaimRefused) as refused:
+        plan_claim(REF, claim, node="node-a")
+    assert refused.value.reason == reason
+    with pytest.raises(ClaimRefused) as elsewhere:
+        plan_claim(REF, _claim(**ALLOCATED), node="node-b")
+    assert elsewhere.value.reason == "claim_other_node"
+
+
+async def test_a_claim_is_read_through_the_api_server_or_refused_with_a_reason() -> None:
+    async with fake_api_server() as api:
+        api.claims[(REF.namespace, REF.name)] = _claim(**ALLOCATED)
+        client = client_for(api.url)
+        try:
+            found = await read_claim(client, REF)
+            assert plan_claim(REF, found, node="node-a").pod_uids == (POD,)
+            with pytest.raises(ClaimRefused) as missing:
+                await read_claim(client, ClaimRef(REF.namespace, "uid-x", "gone"))
+            assert missing.value.reason == "claim_not_found"
+        finally:
+            await client.close()
+        url = api.url
+    closed = client_for(url)
+    try:
+        with pytest.raises(ClaimRefused) as unreachable:
+            await read_claim(closed, REF)
+        assert unreachable.value.reason == "claim_unreadable"
+    finally:
+        await closed.close()
