@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
 import re
+import shutil
+import tempfile
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import trio
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
+
+from kubeplugin.server import ClaimHandler, RegistrationState, serve_plugin
+from kubeplugin.sockets import DRIVER_NAME, PluginSockets
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS = re.compile(r"/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)")
@@ -128,3 +135,35 @@ async def fake_api_server() -> AsyncIterator[FakeApiServer]:
         nursery.start_soon(trio.serve_listeners, server.handle, listeners)
         yield server
         nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def plugin(
+    handler: ClaimHandler, call_seconds: float = 30.0
+) -> AsyncIterator[tuple[PluginSockets, RegistrationState]]:
+    base = pathlib.Path(tempfile.mkdtemp(prefix="lg-dra-", dir="/tmp"))  # short socket paths
+    try:
+        sockets = PluginSockets.for_driver(
+            DRIVER_NAME, registry=base / "plugins_registry", plugins=base / "plugins"
+        )
+        async with trio.open_nursery() as nursery:
+            state = await nursery.start(
+                lambda task_status: serve_plugin(
+                    sockets, handler, call_seconds=call_seconds, task_status=task_status
+                )
+            )
+            yield sockets, state
+            nursery.cancel_scope.cancel()
+        assert not sockets.registration.exists() and not sockets.service.exists()
+    finally:
+        shutil.rmtree(base)
+
+
+def _call(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
+    """One call as kubelet makes it (blocking: run it off the trio thread)."""
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        return getattr(stub_type(channel), method)(request, timeout=45)
+
+
+async def kubelet(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
+    return await trio.to_thread.run_sync(_call, path, stub_type, method, request)

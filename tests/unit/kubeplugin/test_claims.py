@@ -18,7 +18,7 @@ VRAM_CLASS = {"deviceClassName": "vram.lanes.litegraph.dev"}
 NIC = {"request": "nic", "driver": "nics.example.com", "pool": "node-a", "device": "eth1"}
 
 
-def _claim(**status: Any) -> dict[str, Any]:
+def claim_doc(**status: Any) -> dict[str, Any]:
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -60,7 +60,7 @@ ALLOCATED = {
 
 
 def test_an_allocated_claim_is_its_devices_share_and_pods_here() -> None:
-    plan = plan_claim(REF, _claim(**ALLOCATED), node="node-a")
+    plan = plan_claim(REF, claim_doc(**ALLOCATED), node="node-a")
     assert plan.devices == (
         AllocatedDevice(
             request="vram",
@@ -75,10 +75,10 @@ def test_an_allocated_claim_is_its_devices_share_and_pods_here() -> None:
 @pytest.mark.parametrize(
     ("claim", "reason"),
     [
-        (_claim(), "claim_not_allocated"),
-        ({**_claim(**ALLOCATED), "metadata": {"uid": "someone-else"}}, "claim_uid_mismatch"),
+        (claim_doc(), "claim_not_allocated"),
+        ({**claim_doc(**ALLOCATED), "metadata": {"uid": "someone-else"}}, "claim_uid_mismatch"),
         (
-            _claim(
+            claim_doc(
                 allocation={
                     "devices": {"results": [ALLOCATED["allocation"]["devices"]["results"][1]]}
                 }
@@ -92,13 +92,13 @@ def test_a_claim_that_cannot_be_prepared_here_says_why(claim: dict[str, Any], re
         plan_claim(REF, claim, node="node-a")
     assert refused.value.reason == reason
     with pytest.raises(ClaimRefused) as elsewhere:
-        plan_claim(REF, _claim(**ALLOCATED), node="node-b")
+        plan_claim(REF, claim_doc(**ALLOCATED), node="node-b")
     assert elsewhere.value.reason == "claim_other_node"
 
 
 async def test_a_claim_is_read_through_the_api_server_or_refused_with_a_reason() -> None:
     async with fake_api_server() as api:
-        api.claims[(REF.namespace, REF.name)] = _claim(**ALLOCATED)
+        api.claims[(REF.namespace, REF.name)] = claim_doc(**ALLOCATED)
         client = client_for(api.url)
         try:
             found = await read_claim(client, REF)

@@ -3,21 +3,18 @@ registration, per-claim answers, bounded calls, and GetInfo while a Prepare wait
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grpc
 import pytest
 import trio
 
 from kubeplugin.contracts import dra_pb2, dra_pb2_grpc, registration_pb2, registration_pb2_grpc
-from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice, RegistrationState, serve_plugin
+from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice
 from kubeplugin.sockets import DRIVER_NAME, PluginSockets, SocketError
+from tests.kube_fixtures import kubelet, plugin
 
 READY = ClaimResult(
     devices=(
@@ -46,38 +43,6 @@ class Handler:
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
         return {c.uid: "" for c in claims}
-
-
-@contextlib.asynccontextmanager
-async def plugin(
-    handler: Handler, call_seconds: float = 30.0
-) -> AsyncIterator[tuple[PluginSockets, RegistrationState]]:
-    base = pathlib.Path(tempfile.mkdtemp(prefix="lg-dra-", dir="/tmp"))  # short socket paths
-    try:
-        sockets = PluginSockets.for_driver(
-            DRIVER_NAME, registry=base / "plugins_registry", plugins=base / "plugins"
-        )
-        async with trio.open_nursery() as nursery:
-            state = await nursery.start(
-                lambda task_status: serve_plugin(
-                    sockets, handler, call_seconds=call_seconds, task_status=task_status
-                )
-            )
-            yield sockets, state
-            nursery.cancel_scope.cancel()
-        assert not sockets.registration.exists() and not sockets.service.exists()
-    finally:
-        shutil.rmtree(base)
-
-
-def _call(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
-    """One call as kubelet makes it (blocking: run it off the trio thread)."""
-    with grpc.insecure_channel(f"unix://{path}") as channel:
-        return getattr(stub_type(channel), method)(request, timeout=45)
-
-
-async def kubelet(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
-    return await trio.to_thread.run_sync(_call, path, stub_type, method, request)
 
 
 def _claims(*uids: str) -> list[Any]:

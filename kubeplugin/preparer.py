@@ -1,0 +1,130 @@
+"""Preparing and unpreparing claims on this node: the `ClaimHandler` kubelet's calls
+reach (`kubeplugin.server`).
+
+Prepare, per claim: the claim is read from the API server and checked (`claims.py`);
+the node reserves what it was allocated and mints its token (`reserve`, the node's own
+ledger and journal, so a restart keeps it); the token goes into the claim's own folder
+(0700, the token file 0400 and written whole), which the claim's CDI spec mounts in its
+pods (`cdi.py`); the answer names each allocated device with the claim's CDI device id.
+Every step is idempotent: kubelet calls Prepare again after its own restart and after a
+reboot (the CDI folder is a tmpfs), and the files are written again.
+
+Unprepare, per claim: the node releases it (`release`, its token revoked; a claim it
+does not hold is fine: kubelet repeats Unprepare, and the claim may be long deleted),
+then its folder and spec go.
+
+A claim that fails any step gets its own typed error and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+
+from lightkube import AsyncClient
+
+from kubeplugin.cdi import CDI_DIR, CdiError, claim_device_id, remove_claim_spec, write_claim_spec
+from kubeplugin.claims import ClaimPlan, ClaimRefused, plan_claim, read_claim
+from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice
+from kubeplugin.sockets import DRIVER_NAME
+
+__all__ = ["TOKEN_NAME", "ClaimPreparer"]
+
+log = logging.getLogger(__name__)
+
+TOKEN_NAME = "token"  # noqa: S105 - a file name
+
+
+class ClaimPreparer:
+    def __init__(
+        self,
+        client: AsyncClient,
+        *,
+        node: str,
+        claims_dir: Path,
+        reserve: Callable[[ClaimPlan], Awaitable[str]],
+        release: Callable[[str], Awaitable[None]],
+        cdi_dir: Path = CDI_DIR,
+        driver: str = DRIVER_NAME,
+    ) -> None:
+        self._client = client
+        self._node = node
+        self._claims_dir = claims_dir
+        self._reserve = reserve
+        self._release = release
+        self._cdi_dir = cdi_dir
+        self._driver = driver
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, ClaimResult]:
+        return {claim.uid: await self._prepare_one(claim) for claim in claims}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
+        return {claim.uid: await self._unprepare_one(claim) for claim in claims}
+
+    async def _prepare_one(self, claim: ClaimRef) -> ClaimResult:
+        try:
+            plan = plan_claim(claim, await read_claim(self._client, claim), node=self._node)
+            device_id = claim_device_id(claim.uid, self._driver)  # refuses an odd uid first
+        except ClaimRefused as refused:
+            return ClaimResult(error=str(refused))
+        except CdiError as exc:
+            return ClaimResult(error=f"claim_malformed: {exc}")
+        try:
+            token = await self._reserve(plan)
+        except ClaimRefused as refused:
+            return ClaimResult(error=str(refused))
+        try:
+            folder = self._write_token(claim.uid, token)
+            write_claim_spec(claim.uid, folder, cdi_dir=self._cdi_dir, driver=self._driver)
+        except OSError as exc:
+            log.error("claim %s: not prepared: %s", claim.uid, exc)
+            await self._release(claim.uid)
+            self._remove_files(claim.uid)
+            return ClaimResult(error=f"prepare_failed: {exc}")
+        devices = tuple(
+            PreparedDevice(
+                pool_name=self._node,
+                device_name=device.device,
+                request_names=(device.request,),
+                cdi_device_ids=(device_id,),
+                share_id=device.share_id,
+            )
+            for device in plan.devices
+        )
+        return ClaimResult(devices=devices)
+
+    async def _unprepare_one(self, claim: ClaimRef) -> str:
+        try:
+            await self._release(claim.uid)
+            self._remove_files(claim.uid)
+        except (OSError, CdiError) as exc:
+            return f"unprepare_failed: {exc}"
+        return ""
+
+    def _folder(self, claim_uid: str) -> Path:
+        claim_device_id(claim_uid, self._driver)  # a uid that names a file, nothing more
+        return self._claims_dir / claim_uid
+
+    def _write_token(self, claim_uid: str, token: str) -> Path:
+        folder = self._folder(claim_uid)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        target = folder / TOKEN_NAME
+        aside = folder / f".{TOKEN_NAME}.{os.getpid()}"
+        aside.unlink(missing_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(aside, flags, 0o400)
+        try:
+            data = memoryview(token.encode() + b"\n")
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        aside.replace(target)
+        return folder
+
+    def _remove_files(self, claim_uid: str) -> None:
+        remove_claim_spec(claim_uid, cdi_dir=self._cdi_dir, driver=self._driver)
+        shutil.rmtree(self._folder(claim_uid), ignore_errors=True)

@@ -1,0 +1,116 @@
+"""Claims prepared and unprepared end to end: a fake kubelet's calls, the real client
+library against a fake API server, and a node that records what it reserved. Repeats
+give the same answer, a reboot's empty CDI folder is written again, an unknown claim's
+Unprepare is no error, and a claim that fails leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import stat
+from typing import Any
+
+from kubeplugin.claims import ClaimPlan, ClaimRefused
+from kubeplugin.contracts import dra_pb2, dra_pb2_grpc
+from kubeplugin.preparer import TOKEN_NAME, ClaimPreparer
+from tests.kube_fixtures import client_for, fake_api_server, kubelet, plugin
+from tests.unit.kubeplugin.test_claims import ALLOCATED, REF, claim_doc
+
+TOKEN = "v4.public.claim-token"
+
+
+class Node:
+    """What the node holds: claim UID -> plan; refuses claims on a lane it calls busy."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, ClaimPlan] = {}
+        self.busy: set[str] = set()
+
+    async def reserve(self, plan: ClaimPlan) -> str:
+        if any(d.device in self.busy for d in plan.devices):
+            raise ClaimRefused("lane_held", "gpu-0-shared is held by another claim")
+        self.held[plan.claim.uid] = plan
+        return TOKEN
+
+    async def release(self, claim_uid: str) -> None:
+        self.held.pop(claim_uid, None)
+
+
+def _request(*uids: str) -> Any:
+    names = {REF.uid: REF.name}
+    claims = [
+        dra_pb2.Claim(namespace=REF.namespace, uid=u, name=names.get(u, "gone")) for u in uids
+    ]
+    return claims
+
+
+async def test_a_claim_is_prepared_again_after_a_reboot_and_unprepared_twice(
+    tmp_path: pathlib.Path,
+) -> None:
+    node, claims_dir, cdi_dir = Node(), tmp_path / "claims", tmp_path / "cdi"
+    async with fake_api_server() as api:
+        api.claims[(REF.namespace, REF.name)] = claim_doc(**ALLOCATED)
+        client = client_for(api.url)
+        preparer = ClaimPreparer(
+            client, node="node-a", claims_dir=claims_dir, cdi_dir=cdi_dir,
+            reserve=node.reserve, release=node.release,
+        )  # fmt: skip
+        try:
+            async with plugin(preparer) as (sockets, _state):
+                stub = dra_pb2_grpc.DRAPluginStub
+                ask = dra_pb2.NodePrepareResourcesRequest(claims=_request(REF.uid, "uid-gone"))
+                first = await kubelet(sockets.service, stub, "NodePrepareResources", ask)
+                ok, gone = first.claims[REF.uid], first.claims["uid-gone"]
+                assert ok.error == "" and gone.error.startswith("claim_not_found")
+                (device,) = ok.devices
+                assert (device.pool_name, device.device_name) == ("node-a", "gpu-0-shared")
+                assert list(device.cdi_device_ids) == [f"lanes.litegraph.dev/claim={REF.uid}"]
+                assert device.share_id == "5b7e1c2a-0d4f-4a9b-8c3e-7f1a2b3c4d5e"
+                token = claims_dir / REF.uid / TOKEN_NAME
+                assert token.read_text() == TOKEN + "\n"
+                assert stat.S_IMODE(token.stat().st_mode) == 0o400
+                assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+                spec = json.loads(next(cdi_dir.iterdir()).read_text())
+                assert spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"] == str(
+                    token.parent
+                )
+                assert TOKEN not in json.dumps(spec)
+                assert list(node.held) == [REF.uid]
+                # kubelet again (its restart), then after a reboot emptied the CDI folder.
+                again = await kubelet(sockets.service, stub, "NodePrepareResources", ask)
+                assert again == first
+                for spec_file in cdi_dir.iterdir():
+                    spec_file.unlink()
+                rebooted = await kubelet(sockets.service, stub, "NodePrepareResources", ask)
+                assert rebooted == first and len(list(cdi_dir.iterdir())) == 1
+                undo = dra_pb2.NodeUnprepareResourcesRequest(claims=_request(REF.uid, "uid-x"))
+                for _ in range(2):  # repeated, and a claim never prepared: no error
+                    done = await kubelet(sockets.service, stub, "NodeUnprepareResources", undo)
+                    assert {u: e.error for u, e in done.claims.items()} == {
+                        REF.uid: "",
+                        "uid-x": "",
+                    }
+                assert node.held == {} and list(cdi_dir.iterdir()) == []
+                assert list(claims_dir.iterdir()) == []
+        finally:
+            await client.close()
+
+
+async def test_a_claim_on_a_lane_held_by_another_is_refused_and_leaves_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
+    node, claims_dir, cdi_dir = Node(), tmp_path / "claims", tmp_path / "cdi"
+    node.busy.add("gpu-0-shared")
+    async with fake_api_server() as api:
+        api.claims[(REF.namespace, REF.name)] = claim_doc(**ALLOCATED)
+        client = client_for(api.url)
+        preparer = ClaimPreparer(
+            client, node="node-a", claims_dir=claims_dir, cdi_dir=cdi_dir,
+            reserve=node.reserve, release=node.release,
+        )  # fmt: skip
+        try:
+            answers = await preparer.prepare([REF])
+        finally:
+            await client.close()
+    assert answers[REF.uid].error.startswith("lane_held:")
+    assert not claims_dir.exists() and not cdi_dir.exists() and node.held == {}
