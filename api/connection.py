@@ -26,6 +26,7 @@ listen on 0.0.0.0 without TLS:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -46,6 +47,9 @@ from hypercorn.utils import parse_socket_addr
 __all__ = ["GOAWAY_HTTP_1_1_REQUIRED", "Connection"]
 
 log = logging.getLogger(__name__)
+# Closing: how long, and how much, what the peer still sends is read and dropped.
+LINGER_SECONDS = 1.0
+LINGER_BYTES = 16 << 20
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -103,6 +107,26 @@ class Connection(TCPServer):
 
     _handling = False  # between a request's head and the end of its response
     _read_scope: trio.CancelScope | None = None
+
+    async def _close(self) -> None:
+        """Close after a lingering moment: what the peer still sends is read and
+        dropped. A socket closed with unread bytes makes the kernel reset the
+        connection, and the reset can discard our answer (a 413 sent before the
+        oversized body arrived) before the client has read it."""
+        try:
+            with trio.move_on_after(LINGER_SECONDS):
+                with contextlib.suppress(
+                    trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError
+                ):
+                    await self.stream.send_eof()
+                    dropped = 0
+                    while dropped < LINGER_BYTES:
+                        data = await self.stream.receive_some(MAX_RECV)
+                        if not data:
+                            break
+                        dropped += len(data)
+        finally:
+            await self.stream.aclose()
 
     async def run(self) -> None:
         try:
