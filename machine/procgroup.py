@@ -16,8 +16,9 @@ A sandboxed guest is ended differently (`terminate_sandbox`): its group holds on
 bubblewrap, which does not pass SIGTERM on. It dies of it at once, and its init (pid
 1 of the guest's pid namespace, a session of its own) dies with it, so the kernel
 SIGKILLs everything in the namespace: the guest's own TERM handler never runs.
-SIGTERM goes instead to the guest's own processes, every descendant of that init;
-bubblewrap exits once the guest's first process has, taking the rest along.
+SIGTERM goes instead to the guest's own processes, every descendant of that init, the
+first of them (litegraph-gate's keeper, where `make` built it) first: the keeper then
+waits for all of them, and bubblewrap exits once it has, taking any rest along.
 """
 
 from __future__ import annotations
@@ -238,9 +239,10 @@ async def terminate_sandbox(
     hurry: trio.Event | None = None,
 ) -> bool:
     """End a sandboxed guest whose bubblewrap, our own child `leader`, leads group
-    `pgid` (its pid): SIGTERM to the guest's own processes (`sandbox_guest`), never
-    to bubblewrap; up to `grace` for bubblewrap to exit (it does once the guest's
-    first process has) and the group to empty; then SIGKILL to the group, which
+    `pgid` (its pid): SIGTERM to the guest's own processes (`sandbox_guest`: the
+    sandbox's first process, the keeper, before its descendants), never to bubblewrap;
+    up to `grace` for bubblewrap to exit (once that first process has: the keeper,
+    once every guest process has) and the group to empty; then SIGKILL to the group, which
     takes the whole sandbox (its init dies with bubblewrap, and the kernel kills the
     rest of its namespace), and to the guest's processes. Before the guest runs (at
     its gate) or after it is gone, this is `terminate_group`. Returns as
@@ -250,6 +252,12 @@ async def terminate_sandbox(
     guest = sandbox_guest(pgid, None if members is None else members())
     if not guest or not [stat for stat in guest if signal_process(stat, signal.SIGTERM)]:
         return await terminate_group(pgid, grace, leader=leader, kill_wait=kill_wait, hurry=hurry)
+    # The keeper may have forked its guest after the list was read, and had its own
+    # SIGTERM too late to pass it on: once more, for what was not there before.
+    signalled = {(stat.pid, stat.start_ticks) for stat in guest}
+    for stat in sandbox_guest(pgid, None if members is None else members()):
+        if (stat.pid, stat.start_ticks) not in signalled:
+            signal_process(stat, signal.SIGTERM)
     if await _graced(pgid, grace, leader, hurry):
         return True
     log.info(

@@ -28,7 +28,7 @@
  * ends the shell would take `a` and its TERM handler with it at once. The keeper forks
  * the guest and adopts its orphans (a child subreaper). Normally it exits with the
  * guest's first process, and the sandbox's leftovers go with it as before; once it
- * has had a SIGTERM (the daemon signals it before the guest's processes) it waits for
+ * has had the daemon's SIGTERM (sent to it before the guest's processes) it waits for
  * every guest process to exit, which the daemon bounds by its kill grace.
  *
  * Statically linked (scripts/build-gate): no dynamic loading on the start path.
@@ -167,9 +167,14 @@ static void write_tokens(const char *path, const char *text, size_t length) {
 
 static volatile sig_atomic_t ending = 0;
 
-static void on_term(int signum) {
+/* Only the daemon's SIGTERM starts an ending: it comes from outside the sandbox's pid
+ * namespace, where its sender has no pid (si_pid 0). The guest's own (`kill 0`, a
+ * `trap 'kill 0' EXIT`) reaches the keeper too, as its process group's member, and must
+ * not keep the sandbox waiting for what the guest left behind. */
+static void on_term(int signum, siginfo_t *info, void *context) {
     (void)signum;
-    ending = 1;
+    (void)context;
+    if (info->si_pid == 0) ending = 1;
 }
 
 static int exit_code(int status) {
@@ -184,19 +189,26 @@ static int keep(char **args, char **envs) {
     sigemptyset(&term);
     sigaddset(&term, SIGTERM);
     /* Blocked across the fork: a SIGTERM meant for the guest before it existed is
-     * passed on to it below, never lost. */
+     * passed on to it below, never lost. One that comes later, from a daemon that
+     * listed the sandbox's processes before the fork, is sent to the guest by the
+     * daemon itself (it lists them again after signalling the keeper). */
     if (sigprocmask(SIG_BLOCK, &term, &old) != 0) die(NEVER_RAN, "sigprocmask");
-    struct sigaction action;
+    struct sigaction action, inherited;
     memset(&action, 0, sizeof action);
-    action.sa_handler = on_term;
+    action.sa_sigaction = on_term;
+    action.sa_flags = SA_SIGINFO;
     sigemptyset(&action.sa_mask);
-    if (sigaction(SIGTERM, &action, NULL) != 0) die(NEVER_RAN, "sigaction");
+    if (sigaction(SIGTERM, &action, &inherited) != 0) die(NEVER_RAN, "sigaction");
+    /* Children must be waited for, whatever SIGCHLD's disposition was inherited. */
+    struct sigaction child;
+    memset(&child, 0, sizeof child);
+    child.sa_handler = SIG_DFL;
+    if (sigaction(SIGCHLD, &child, NULL) != 0) die(NEVER_RAN, "sigaction");
     if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0) die(NEVER_RAN, "subreaper");
     pid_t guest = fork();
     if (guest < 0) die(NEVER_RAN, "fork");
     if (guest == 0) {
-        action.sa_handler = SIG_DFL;
-        sigaction(SIGTERM, &action, NULL);
+        sigaction(SIGTERM, &inherited, NULL); /* as a plain exec would have left it */
         sigprocmask(SIG_SETMASK, &old, NULL);
         if (envs != NULL) environ = envs;
         execvp(args[0], args);

@@ -260,8 +260,9 @@ class Daemon:
                 await self.stop.wait()
                 notify("STOPPING=1")
                 self.readiness.block("shutdown", "the node is stopping")
-                # Past all that shutdown may wait for: the grace, the guests' endings
-                # and their cleanup, and the servers' closing.
+                # Past what shutdown waits for: the grace, the guests' endings and their
+                # cleanup, and the servers' closing (each ending's own steps are shielded
+                # and bounded, and finish even past this).
                 grace = self.config.shutdown_grace
                 waits = (
                     self.supervisor.shutdown_seconds(grace)

@@ -261,8 +261,8 @@ async def run_process(
         with trio.CancelScope(shield=True):
             if cgroup is not None and before_cgroup_end is not None:
                 await before_cgroup_end()
-        # The cgroup has the last word: a sandboxed guest's processes are in sessions of
-        # their own, so bubblewrap's group can be gone while one of them is stuck.
+        # Stuck if either says so: a sandboxed guest's processes are in sessions of their
+        # own, so bubblewrap's group can be gone while the cgroup still holds one.
         with trio.move_on_after(15, shield=True) as removing:
             if cgroup is not None:
                 gone = not await end_cgroup(cgroup, spec.cgroup_name, on_usage) and gone

@@ -159,5 +159,10 @@ async def end_cgroup(
             on_usage(cgroup.usage())
         except CgroupError as exc:  # unread counters never keep the cgroup
             log.error("%s: no usage: %s", name, exc)
-    await cgroup.remove()
+    if not await cgroup.remove():
+        # Its own kill may have failed where the one above could not even be tried.
+        try:
+            stuck = stuck or bool(cgroup.pids())
+        except CgroupError:
+            pass  # its folders are gone: nothing can be left in them
     return stuck

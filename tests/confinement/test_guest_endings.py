@@ -32,6 +32,10 @@ CHILD_TRAPS_TERM = (
     'sh -c \'trap "sleep 0.5; echo cleaned; exit 0" TERM; echo ready; '
     "while :; do sleep 0.1; done'; echo after"
 )
+# Kills its own process group on exit, as many scripts do, leaving a child that ignores
+# SIGTERM: the guest's own SIGTERM is not the node's ending, so nothing waits for that
+# child (the sandbox's end takes it, as a guest's leftovers always were).
+KILLS_ITS_GROUP = "trap 'kill 0' EXIT; (trap '' TERM; sleep 30) & sleep 0.2; exit 0"
 # Ignores SIGTERM (its `sleep` children inherit that): only SIGKILL ends it.
 IGNORES_TERM = 'trap "" TERM; echo ready; while :; do sleep 0.1; done # stubborn'
 
@@ -107,6 +111,17 @@ async def test_every_guest_process_gets_the_grace_not_only_the_first(
         stdout, took = await cancelled_when_ready(node, CHILD_TRAPS_TERM)
         assert stdout == b"ready\ncleaned\n"
         assert took < 10, f"the cancel waited {took:.1f}s for guests that ended on SIGTERM"
+
+
+async def test_a_guests_own_sigterm_to_its_group_does_not_hold_its_end(
+    tmp_path: pathlib.Path,
+) -> None:
+    async with confined_node(tmp_path, "--kill-grace", "30") as node:
+        started = trio.current_time()
+        found = await run_to_end(node, guest(KILLS_ITS_GROUP))
+        # Its `kill 0` ended the shell too: 128 + SIGTERM, as from any shell.
+        assert (found["state"], found["exit_code"]) == ("failed", 143), found
+        assert trio.current_time() - started < 10, "the end waited for what the guest left"
 
 
 async def test_a_guest_that_ignores_sigterm_is_killed_after_the_kill_grace(

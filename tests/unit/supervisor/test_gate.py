@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,3 +194,15 @@ def test_the_keeper_exits_with_its_guest_and_does_not_wait_for_what_it_left() ->
     finally:
         os.kill(left, 9)
     assert _run([str(GATE), "keep"], b"").returncode == 125
+
+
+def test_the_keeper_waits_for_its_guest_whatever_sigchld_it_inherited() -> None:
+    # With SIGCHLD ignored, children are reaped unseen and no exit status comes back.
+    def ignore_sigchld() -> None:
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+
+    done = subprocess.run(
+        [str(GATE), "keep", "--", "/bin/sh", "-c", "exit 4"],
+        preexec_fn=ignore_sigchld, capture_output=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 4, done.stderr
