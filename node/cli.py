@@ -155,6 +155,8 @@ def _announce_dev(url: str, daemon: Any) -> None:
 def _cwd_line(config: Config, own_uids: bool = False) -> str:
     """Where a guest may start (`--guest-cwd-roots` and the writable roots), in words;
     `own_uids`: guests run as uids of their own, which a 0700 home keeps out."""
+    from node.guests import closed_to_others
+
     writable = set(config.guest_writable_roots)
     roots = dict.fromkeys((*config.guest_cwd_roots, *config.guest_writable_roots))
     if not roots:
@@ -162,20 +164,11 @@ def _cwd_line(config: Config, own_uids: bool = False) -> str:
     shown = [f"{root} (writable)" if root in writable else root for root in roots]
     shown = [
         f"{text}, though a folder above it is closed to guests (their `run` starts in /tmp)"
-        if own_uids and _closed_to_others(root)
+        if own_uids and closed_to_others(pathlib.Path(root))
         else text
         for root, text in zip(roots, shown, strict=True)
     ]
     return "under " + ", ".join(shown) + "; elsewhere refused, `run --cwd none` starts in /tmp"
-
-
-def _closed_to_others(folder: str) -> bool:
-    """Whether a folder above `folder` does not let other uids through (a 0700 home):
-    guests, who run as uids of their own, cannot start there."""
-    try:
-        return any(not parent.stat().st_mode & 0o001 for parent in pathlib.Path(folder).parents)
-    except OSError:
-        return False
 
 
 def _devices_line(inventory: Any) -> str:

@@ -13,7 +13,7 @@ import node.guests
 from node.daemon import Daemon
 from tests.adversarial.fixtures import running_node
 from tests.api_fixtures import daemon_config
-from tests.confinement.guests import python, run_to_end
+from tests.confinement.guests import confined_node, process, python, run_to_end
 
 SELF_TEST_UID = 200_611
 
@@ -86,3 +86,20 @@ async def test_the_start_up_check_starts_its_sandbox_the_way_guests_start(
     monkeypatch.setattr("supervisor.launch.find_setpriv", lambda: "/bin/false")
     failure = await node.guests._sandbox_works(bwrap, SELF_TEST_UID)
     assert failure is not None and "failed here (exit 1)" in failure
+
+
+async def test_a_keeper_that_cannot_run_in_the_sandbox_is_left_out_and_said(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a host whose run folder is mounted noexec: the sandbox works without it.
+    unrunnable = tmp_path / "keeper"
+    unrunnable.write_bytes(b"not a program")
+    unrunnable.chmod(0o644)
+    monkeypatch.setattr(node.guests, "_keeper_path", lambda gate, run_dir: unrunnable)
+    async with confined_node(tmp_path) as node_:
+        notes = (await node_.client.get("/v1/snapshot", headers=node_.op)).json()["notes"]
+        assert any("without litegraph-gate's keeper" in n for n in notes), notes
+        sup = node_.daemon.supervisor
+        assert sup is not None and sup.guests.keeper is None and sup.guests.bwrap is not None
+        found = await run_to_end(node_, process(["true"]))
+        assert found["state"] == "succeeded", found
