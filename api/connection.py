@@ -107,26 +107,37 @@ class Connection(TCPServer):
 
     _handling = False  # between a request's head and the end of its response
     _read_scope: trio.CancelScope | None = None
+    _closing = False  # once set, the reader drops what arrives (`_close`)
+    _reader_done: trio.Event | None = None  # set while the reader runs
 
     async def _close(self) -> None:
         """Close after a lingering moment: what the peer still sends is read and
         dropped. A socket closed with unread bytes makes the kernel reset the
         connection, and the reset can discard our answer (a 413 sent before the
-        oversized body arrived) before the client has read it."""
+        oversized body arrived) before the client has read it. The connection's reader,
+        where it still runs, does the dropping (a stream has one reader at a time)."""
+        self._closing = True
         try:
             with trio.move_on_after(LINGER_SECONDS):
                 with contextlib.suppress(
                     trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError
                 ):
                     await self.stream.send_eof()
-                    dropped = 0
-                    while dropped < LINGER_BYTES:
-                        data = await self.stream.receive_some(MAX_RECV)
-                        if not data:
-                            break
-                        dropped += len(data)
+                    if self._reader_done is not None:
+                        await self._reader_done.wait()
+                    else:
+                        await self._drop_incoming()
         finally:
             await self.stream.aclose()
+
+    async def _drop_incoming(self) -> None:
+        """Read and drop until the peer's end of file or LINGER_BYTES in all."""
+        dropped = 0
+        while dropped < LINGER_BYTES:
+            data = await self.stream.receive_some(MAX_RECV)
+            if not data:
+                return
+            dropped += len(data)
 
     async def run(self) -> None:
         try:
@@ -197,6 +208,16 @@ class Connection(TCPServer):
                 self._read_scope.deadline = trio.current_time() + timeout
 
     async def _read_data(self) -> None:
+        self._reader_done = done = trio.Event()
+        try:
+            await self._read_until_closed()
+        finally:
+            self._reader_done = None
+            done.set()
+        await self.protocol.handle(Closed())
+
+    async def _read_until_closed(self) -> None:
+        dropped = 0
         while True:
             with trio.CancelScope() as scope:
                 self._read_scope = scope
@@ -204,12 +225,17 @@ class Connection(TCPServer):
                 try:
                     data = await self.stream.receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    break
+                    return
                 finally:
                     self._read_scope = None
             if scope.cancelled_caught:
-                break  # nothing arrived while a request was awaited
-            await self.protocol.handle(RawData(bytes(data)))
+                return  # nothing arrived while a request was awaited
             if data == b"":
-                break
-        await self.protocol.handle(Closed())
+                await self.protocol.handle(RawData(b""))
+                return
+            if self._closing:  # our answer is out and the connection closing: dropped
+                dropped += len(data)
+                if dropped >= LINGER_BYTES:
+                    return
+                continue
+            await self.protocol.handle(RawData(bytes(data)))
