@@ -24,6 +24,7 @@ import shutil
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
+import trio
 from lightkube import AsyncClient
 
 from kubeplugin.cdi import CDI_DIR, CdiError, claim_device_id, remove_claim_spec, write_claim_spec
@@ -31,21 +32,26 @@ from kubeplugin.claims import ClaimPlan, ClaimRefused, plan_claim, read_claim
 from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice
 from kubeplugin.sockets import DRIVER_NAME
 
-__all__ = ["TOKEN_NAME", "ClaimPreparer"]
+__all__ = ["CLAIM_SECONDS", "TOKEN_NAME", "ClaimPreparer"]
 
 log = logging.getLogger(__name__)
 
 TOKEN_NAME = "token"  # noqa: S105 - a file name
+# One claim's Prepare, inside the batch's own bound (kubeplugin.server.CALL_SECONDS).
+CLAIM_SECONDS = 20.0
 
 
 class ClaimPreparer:
+    """`reserve(plan)`: the claim's token, and whether this call reserved it (False: the
+    node held it already, a repeated Prepare). `release(claim_uid)`: idempotent."""
+
     def __init__(
         self,
         client: AsyncClient,
         *,
         node: str,
         claims_dir: Path,
-        reserve: Callable[[ClaimPlan], Awaitable[str]],
+        reserve: Callable[[ClaimPlan], Awaitable[tuple[str, bool]]],
         release: Callable[[str], Awaitable[None]],
         cdi_dir: Path = CDI_DIR,
         driver: str = DRIVER_NAME,
@@ -59,10 +65,30 @@ class ClaimPreparer:
         self._driver = driver
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, ClaimResult]:
-        return {claim.uid: await self._prepare_one(claim) for claim in claims}
+        """Each claim at once, each bounded on its own: one slow or failing claim
+        answers for itself, and the others' answers stand."""
+        answers: dict[str, ClaimResult] = {}
+
+        async def one(claim: ClaimRef) -> None:
+            with trio.move_on_after(CLAIM_SECONDS):
+                answers[claim.uid] = await self._guarded_prepare(claim)
+                return
+            answers[claim.uid] = ClaimResult(error=f"prepare_timeout: over {CLAIM_SECONDS:g} s")
+
+        async with trio.open_nursery() as nursery:
+            for claim in claims:
+                nursery.start_soon(one, claim)
+        return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
         return {claim.uid: await self._unprepare_one(claim) for claim in claims}
+
+    async def _guarded_prepare(self, claim: ClaimRef) -> ClaimResult:
+        try:
+            return await self._prepare_one(claim)
+        except Exception as exc:  # the node's own failure: this claim's answer, not all
+            log.exception("claim %s: not prepared", claim.uid)
+            return ClaimResult(error=f"prepare_failed: {type(exc).__name__}: {exc}"[:500])
 
     async def _prepare_one(self, claim: ClaimRef) -> ClaimResult:
         try:
@@ -73,7 +99,7 @@ class ClaimPreparer:
         except CdiError as exc:
             return ClaimResult(error=f"claim_malformed: {exc}")
         try:
-            token = await self._reserve(plan)
+            token, new = await self._reserve(plan)
         except ClaimRefused as refused:
             return ClaimResult(error=str(refused))
         try:
@@ -81,8 +107,11 @@ class ClaimPreparer:
             write_claim_spec(claim.uid, folder, cdi_dir=self._cdi_dir, driver=self._driver)
         except OSError as exc:
             log.error("claim %s: not prepared: %s", claim.uid, exc)
-            await self._release(claim.uid)
-            self._remove_files(claim.uid)
+            if new:  # a claim prepared before keeps what its running pods use
+                try:
+                    self._remove_files(claim.uid)
+                finally:
+                    await self._release(claim.uid)
             return ClaimResult(error=f"prepare_failed: {exc}")
         devices = tuple(
             PreparedDevice(

@@ -12,9 +12,12 @@ import stat
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from kubeplugin.claims import ClaimPlan, ClaimRefused
 from kubeplugin.contracts import dra_pb2, dra_pb2_grpc
 from kubeplugin.preparer import TOKEN_NAME, ClaimPreparer
+from kubeplugin.server import ClaimRef
 from tests.kube_fixtures import client_for, fake_api_server, kubelet, plugin
 from tests.unit.kubeplugin.test_claims import ALLOCATED, REF, claim_doc
 
@@ -28,11 +31,12 @@ class Node:
         self.held: dict[str, ClaimPlan] = {}
         self.busy: set[str] = set()
 
-    async def reserve(self, plan: ClaimPlan) -> str:
+    async def reserve(self, plan: ClaimPlan) -> tuple[str, bool]:
         if any(d.device in self.busy for d in plan.devices):
             raise ClaimRefused("lane_held", "gpu-0-shared is held by another claim")
+        new = plan.claim.uid not in self.held
         self.held[plan.claim.uid] = plan
-        return TOKEN
+        return TOKEN, new
 
     async def release(self, claim_uid: str) -> None:
         self.held.pop(claim_uid, None)
@@ -114,3 +118,29 @@ async def test_a_claim_on_a_lane_held_by_another_is_refused_and_leaves_nothing(
         answers = await preparer.prepare([REF])
     assert answers[REF.uid].error.startswith("lane_held:")
     assert not claims_dir.exists() and not cdi_dir.exists() and node.held == {}
+
+
+async def test_a_failed_repeat_keeps_what_running_pods_hold_and_a_fault_is_one_claims(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = Node()
+    async with preparer_of(node, tmp_path) as preparer:
+        assert (await preparer.prepare([REF]))[REF.uid].error == ""
+
+        def disk_full(claim_uid: str, token: str) -> pathlib.Path:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(preparer, "_write_token", disk_full)
+        again = await preparer.prepare([REF])
+        assert again[REF.uid].error.startswith("prepare_failed:")
+        assert list(node.held) == [REF.uid]  # a repeat's failure revokes nothing
+        monkeypatch.undo()
+
+        async def broken(plan: ClaimPlan) -> tuple[str, bool]:
+            raise RuntimeError("the journal is closed")
+
+        monkeypatch.setattr(preparer, "_reserve", broken)
+        other = ClaimRef(REF.namespace, "uid-gone", "gone")
+        answers = await preparer.prepare([REF, other])
+        assert answers[REF.uid].error == "prepare_failed: RuntimeError: the journal is closed"
+        assert answers["uid-gone"].error.startswith("claim_not_found")
