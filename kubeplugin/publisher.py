@@ -53,6 +53,8 @@ class SlicePublisher:
         self._driver = driver
         self._published: tuple[OfferedDevice, ...] | None = None
         self.generation = 0
+        # When each device's taint (by its health) was first seen: kept across rounds.
+        self._tainted: dict[tuple[str, str], str] = {}
 
     async def publish(self) -> int:
         """One round; returns how many requests changed something. PublishError if the
@@ -70,7 +72,7 @@ class SlicePublisher:
                     self._node,
                     devices,
                     generation=self.generation,
-                    added_at=self._now(),
+                    added_at=self._taint_times(devices),
                     driver=self._driver,
                 )
             }
@@ -96,6 +98,12 @@ class SlicePublisher:
             raise PublishError(f"the API server is unreachable: {exc!r}") from exc
         self._published = devices
         return changed
+
+    def _taint_times(self, devices: Sequence[OfferedDevice]) -> dict[str, str]:
+        now = self._now()
+        seen = {(d.name, d.health): d.name for d in devices if d.health != "ok"}
+        self._tainted = {key: self._tainted.get(key, now) for key in seen}
+        return {name: self._tainted[key] for key, name in seen.items()}
 
     async def _held(self) -> list[dict[str, Any]]:
         """This driver's slices for this node, as the API server holds them."""

@@ -95,15 +95,20 @@ def resource_slices(
     devices: Sequence[OfferedDevice],
     *,
     generation: int,
-    added_at: str,
+    added_at: str | Mapping[str, str],
     driver: str = DRIVER_NAME,
 ) -> list[dict[str, Any]]:
     """The pool's slices, in device order (allocation is first fit). `added_at`: when
-    a taint was first seen (RFC 3339), as the API server keeps it."""
+    a tainted device's taint was first seen (RFC 3339; by device name, or one for all),
+    as the API server keeps it: NoExecute's eviction counts from it."""
     names = [d.name for d in devices]
     if len(set(names)) != len(names):
         raise SliceError("device names repeat in the pool")
-    built = [_device(d, added_at) for d in devices]
+
+    def when(name: str) -> str:
+        return added_at if isinstance(added_at, str) else added_at.get(name, "")
+
+    built = [_device(d, when(d.name)) for d in devices]
     per_slice = _MAX_TAINTED if any("taints" in d for d in built) else _MAX_DEVICES
     chunks = [built[i : i + per_slice] for i in range(0, len(built), per_slice)] or [[]]
     return [

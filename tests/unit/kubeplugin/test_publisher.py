@@ -71,3 +71,27 @@ async def test_an_unreachable_api_server_is_a_typed_error() -> None:
                 raise AssertionError("published to a closed port")
     finally:
         await client.close()
+
+
+async def test_a_taint_keeps_the_time_it_was_first_seen() -> None:
+    # NoExecute's eviction counts from timeAdded: a round must not move it on.
+    clock = ["2026-12-02T12:00:00Z"]
+    offered = _devices(1, health="lost")
+    async with fake_api_server() as api:
+        client = client_for(api.url)
+        try:
+            publisher = SlicePublisher(client, "node-a", lambda: offered, now=lambda: clock[0])
+            await publisher.publish()
+            clock[0] = "2026-12-02T12:05:00Z"
+            assert await publisher.publish() == 0  # nothing changed, nothing replaced
+            (held,) = api.slices.values()
+            taint = held["spec"]["devices"][0]["taints"][0]
+            assert taint["timeAdded"] == "2026-12-02T12:00:00Z"
+            offered[:] = _devices(1)
+            await publisher.publish()
+            offered[:] = _devices(1, health="lost")  # lost again: a new taint, a new time
+            await publisher.publish()
+            (held,) = api.slices.values()
+            assert held["spec"]["devices"][0]["taints"][0]["timeAdded"] == "2026-12-02T12:05:00Z"
+        finally:
+            await client.close()
