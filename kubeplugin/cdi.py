@@ -1,7 +1,8 @@
 """The per-claim CDI spec a prepared claim's pods get: one device, the claim, whose only
-edit mounts the claim's own folder (its token file and the node's socket) in the
-container. Mediated: no device node, and never the token itself (neither in the spec
-nor in an environment variable, only the path of the file that holds it).
+edit mounts the claim's own folder (its token file; the node's socket once the daemon
+serves one there) in the container. Mediated: no device node, and never the token
+itself (neither in the spec nor in an environment variable, only the path of the file
+that holds it).
 
 The spec lives in the runtime's dynamic CDI folder, a tmpfs a reboot empties: kubelet
 calls Prepare again then, and writing the spec again is how it comes back.
