@@ -176,33 +176,23 @@ async def follow_command(
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=REQUEST_SECONDS
     ) as client:
-        reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
-        work = request.work
-        if (
-            cwd_fallback
-            and reply.status_code == 422
-            and _error_code(reply) == "invalid_cwd"
-            and isinstance(work, ProcessWork)
-        ):
-            _say(err, f"litegraph-node run: {_error_text(reply)}")
-            _say(err, CWD_FALLBACK)
-            # A refusal changed nothing at the node: the id is still free.
-            request = msgspec.structs.replace(request, work=msgspec.structs.replace(work, cwd=None))
-            reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
-        if reply.status_code != 202:
-            _say(err, f"litegraph-node run: refused ({reply.status_code}) {_error_text(reply)}")
-            if _error_code(reply) == "invalid_cwd":
-                _say(err, CWD_HINT)
-            return 1
-        _say(err, f"{invocation_id}: submitted")
         # Ctrl-C is taken as a signal, not raised as KeyboardInterrupt wherever the
-        # code happens to be (half way through a request, a lock held): it cancels the
-        # follow at its checkpoints, and a second one the wait for the cancel's answer.
+        # code happens to be (half way through a request, a lock held), from before the
+        # submission on: it cancels what it interrupts at its checkpoints (the node is
+        # asked to cancel what it may have accepted), and a second one the wait for the
+        # cancel's answer.
         with _interrupts() as interrupts:
             try:
-                ended = await _until_interrupted(
-                    interrupts, _follow(client, invocation_id, out, err)
+                accepted = await _until_interrupted(
+                    interrupts, _submit(client, request, err, cwd_fallback)
                 )
+                if accepted is False:
+                    return 1
+                ended = None
+                if accepted:
+                    ended = await _until_interrupted(
+                        interrupts, _follow(client, invocation_id, out, err)
+                    )
                 if ended is not None:
                     return ended
                 closed = False
@@ -214,6 +204,32 @@ async def follow_command(
                     raise
             await _say_cancel(client, invocation_id, base_url, err, interrupts)
         return BROKEN_PIPE_EXIT if closed else INTERRUPTED_EXIT
+
+
+async def _submit(
+    client: httpx.AsyncClient, request: InvocationRequest, err: BinaryIO, cwd_fallback: bool
+) -> bool:
+    """Submit `request`; whether the node accepted it (a refusal is said)."""
+    reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
+    work = request.work
+    if (
+        cwd_fallback
+        and reply.status_code == 422
+        and _error_code(reply) == "invalid_cwd"
+        and isinstance(work, ProcessWork)
+    ):
+        _say(err, f"litegraph-node run: {_error_text(reply)}")
+        _say(err, CWD_FALLBACK)
+        # A refusal changed nothing at the node: the id is still free.
+        request = msgspec.structs.replace(request, work=msgspec.structs.replace(work, cwd=None))
+        reply = await client.post("/v1/invocations", content=msgspec.json.encode(request))
+    if reply.status_code != 202:
+        _say(err, f"litegraph-node run: refused ({reply.status_code}) {_error_text(reply)}")
+        if _error_code(reply) == "invalid_cwd":
+            _say(err, CWD_HINT)
+        return False
+    _say(err, f"{request.id}: submitted")
+    return True
 
 
 _T = TypeVar("_T")

@@ -377,3 +377,33 @@ async def test_a_second_ctrl_c_during_the_cancel_stops_waiting_and_says_so(
 
     code, said = await _interrupted(monkeypatch, silent, 2)
     assert (code, said[-1]) == (130, f"run-9: {api.run_client.SECOND_INTERRUPT}"), said
+
+
+async def test_ctrl_c_while_the_submission_is_on_its_way_cancels_what_the_node_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    posting, deleted = trio.Event(), []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            posting.set()
+            await trio.sleep_forever()  # the node has it; its answer is on its way
+        deleted.append(request.url.path)
+        return httpx.Response(200, json=_status("run-9", "cancelled", reason="cancel_requested"))
+
+    _patch(monkeypatch, handler)
+    err = io.BytesIO()
+    request = InvocationRequest(id="run-9", work=ProcessWork(argv=["sleep", "60"]))
+    code: list[int] = []
+
+    async def run() -> None:
+        code.append(await follow_command("http://node", "s", request, out=io.BytesIO(), err=err))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            await posting.wait()  # follow_command's receiver is open by then
+            os.kill(os.getpid(), signal.SIGINT)
+    said = err.getvalue().decode().splitlines()
+    assert (code, deleted) == ([130], ["/v1/invocations/run-9"]), said
+    assert said[-1] == "run-9: cancelled (cancel_requested)"
