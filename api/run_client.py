@@ -178,14 +178,12 @@ async def follow_command(
     ) as client:
         # Ctrl-C is taken as a signal, not raised as KeyboardInterrupt wherever the
         # code happens to be (half way through a request, a lock held), from before the
-        # submission on: it cancels what it interrupts at its checkpoints (the node is
-        # asked to cancel what it may have accepted), and a second one the wait for the
-        # cancel's answer.
+        # submission on: one during the submission (bounded) waits for the node's
+        # answer and cancels what it accepted; one later cancels the follow at its
+        # checkpoints; a second one stops the wait for the cancel's answer.
         with _interrupts() as interrupts:
             try:
-                accepted = await _until_interrupted(
-                    interrupts, _submit(client, request, err, cwd_fallback)
-                )
+                accepted = await _submit(client, request, err, cwd_fallback)
                 if accepted is False:
                     return 1
                 ended = None

@@ -382,14 +382,20 @@ async def test_a_second_ctrl_c_during_the_cancel_stops_waiting_and_says_so(
 async def test_ctrl_c_while_the_submission_is_on_its_way_cancels_what_the_node_took(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    posting, deleted = trio.Event(), []
+    posting, interrupted, deleted = trio.Event(), trio.Event(), []
+    inner = _cancel_answered(None)
 
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.method == "POST":
             posting.set()
-            await trio.sleep_forever()  # the node has it; its answer is on its way
-        deleted.append(request.url.path)
-        return httpx.Response(200, json=_status("run-9", "cancelled", reason="cancel_requested"))
+            await interrupted.wait()  # the node takes it while Ctrl-C comes
+        if request.method == "DELETE":
+            deleted.append(request.url.path)
+            return httpx.Response(
+                200, json=_status("run-9", "cancelled", reason="cancel_requested")
+            )
+        reply: httpx.Response = await inner(request)
+        return reply
 
     _patch(monkeypatch, handler)
     err = io.BytesIO()
@@ -404,6 +410,8 @@ async def test_ctrl_c_while_the_submission_is_on_its_way_cancels_what_the_node_t
             nursery.start_soon(run)
             await posting.wait()  # follow_command's receiver is open by then
             os.kill(os.getpid(), signal.SIGINT)
+            await trio.sleep(0.05)  # delivered to the receiver
+            interrupted.set()
     said = err.getvalue().decode().splitlines()
     assert (code, deleted) == ([130], ["/v1/invocations/run-9"]), said
     assert said[-1] == "run-9: cancelled (cancel_requested)"
