@@ -155,7 +155,7 @@ def _announce_dev(url: str, daemon: Any) -> None:
 def _cwd_line(config: Config, own_uids: bool = False) -> str:
     """Where a guest may start (`--guest-cwd-roots` and the writable roots), in words;
     `own_uids`: guests run as uids of their own, which a 0700 home keeps out."""
-    from node.guests import closed_to_others
+    from node.guest_keeper import closed_to_others
 
     writable = set(config.guest_writable_roots)
     roots = dict.fromkeys((*config.guest_cwd_roots, *config.guest_writable_roots))

@@ -32,8 +32,9 @@ import trio
 
 from api.unix_server import bind_unix_socket
 from machine.cgroups import Cgroups, CgroupsUnavailable, system_cgroups
+from node import guest_keeper
 from node.config import Config
-from supervisor.gate import find_gate, install_keeper
+from supervisor.gate import find_gate
 from supervisor.guests import GuestPolicy, remove_stale_tokens
 from supervisor.identity import (
     UID_CURSOR_FILENAME,
@@ -374,32 +375,11 @@ def _identity(
     return f"all as you, {_own_user()}: {shared or 'cannot switch users'} ({SHARED_UID_NOTE})"
 
 
-def closed_to_others(path: pathlib.Path) -> bool:
-    """Whether a folder above `path` does not let other uids through (a 0700 home)."""
-    try:
-        return any(not parent.stat().st_mode & 0o001 for parent in path.parents)
-    except OSError:
-        return True
-
-
-def _keeper_path(gate: pathlib.Path, run_dir: pathlib.Path) -> pathlib.Path:
-    """The gate where guests' uids reach it: itself where they can, else a copy."""
-    if not closed_to_others(gate) and gate.stat().st_mode & 0o005 == 0o005:
-        return gate
-    return install_keeper(gate, run_dir)
-
-
 async def _keeper(gate: pathlib.Path, run_dir: pathlib.Path) -> pathlib.Path:
     try:
-        return await trio.to_thread.run_sync(_keeper_path, gate, run_dir)
+        return await trio.to_thread.run_sync(guest_keeper.keeper_path, gate, run_dir)
     except OSError as exc:
         raise GuestSetupError(f"guest keeper in {run_dir}: {exc.strerror}") from exc
-
-
-KEEPERLESS_NOTE = (
-    "guests start without litegraph-gate's keeper ({why}): an ending's grace reaches "
-    "their first process only, and no sandbox is made ahead"
-)
 
 
 async def open_guest_setup(
@@ -436,7 +416,7 @@ async def open_guest_setup(
                 config.sandbox_tool, uids, bare, userns, socket_path, gate, None
             )
             if not bare:
-                notes.append(KEEPERLESS_NOTE.format(why="; ".join(tried)))
+                notes.append(guest_keeper.KEEPERLESS_NOTE.format(why="; ".join(tried)))
                 keeper, tried = None, []
         if tried and userns is not None:
             # Not with a subordinate uid: guests share the daemon's, if the sandbox works so.

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import trio
 
+import node.guest_keeper
 import node.guests
 from node.daemon import Daemon
 from tests.adversarial.fixtures import running_node
@@ -95,7 +96,7 @@ async def test_a_keeper_that_cannot_run_in_the_sandbox_is_left_out_and_said(
     unrunnable = tmp_path / "keeper"
     unrunnable.write_bytes(b"not a program")
     unrunnable.chmod(0o644)
-    monkeypatch.setattr(node.guests, "_keeper_path", lambda gate, run_dir: unrunnable)
+    monkeypatch.setattr(node.guest_keeper, "keeper_path", lambda gate, run_dir: unrunnable)
     async with confined_node(tmp_path) as node_:
         notes = (await node_.client.get("/v1/snapshot", headers=node_.op)).json()["notes"]
         assert any("without litegraph-gate's keeper" in n for n in notes), notes

@@ -340,6 +340,21 @@ async def _interrupted(
 
     _patch(monkeypatch, _cancel_answered(seen))
     err = io.BytesIO()
+
+    async def interrupt() -> None:
+        while b"submitted" not in err.getvalue():  # noqa: ASYNC110 - its receiver is open then
+            await trio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        if interrupts > 1:
+            await deleting.wait()
+            os.kill(os.getpid(), signal.SIGINT)
+
+    code = await _run_while(interrupt, err)
+    return code, err.getvalue().decode().splitlines()[1:]
+
+
+async def _run_while(meanwhile: Any, err: io.BytesIO) -> int:
+    """`run -- sleep 60` (id run-9) to its end, `meanwhile` beside it; its status."""
     request = InvocationRequest(id="run-9", work=ProcessWork(argv=["sleep", "60"]))
     code: list[int] = []
 
@@ -349,13 +364,8 @@ async def _interrupted(
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run)
-            while b"submitted" not in err.getvalue():  # noqa: ASYNC110 - its receiver is open then
-                await trio.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGINT)
-            if interrupts > 1:
-                await deleting.wait()
-                os.kill(os.getpid(), signal.SIGINT)
-    return code[0], err.getvalue().decode().splitlines()[1:]
+            await meanwhile()
+    return code[0]
 
 
 async def test_ctrl_c_cancels_the_invocation_and_says_what_the_node_answered(
@@ -399,19 +409,14 @@ async def test_ctrl_c_while_the_submission_is_on_its_way_cancels_what_the_node_t
 
     _patch(monkeypatch, handler)
     err = io.BytesIO()
-    request = InvocationRequest(id="run-9", work=ProcessWork(argv=["sleep", "60"]))
-    code: list[int] = []
 
-    async def run() -> None:
-        code.append(await follow_command("http://node", "s", request, out=io.BytesIO(), err=err))
+    async def interrupt() -> None:
+        await posting.wait()  # follow_command's receiver is open by then
+        os.kill(os.getpid(), signal.SIGINT)
+        await trio.sleep(0.05)  # delivered to the receiver
+        interrupted.set()
 
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run)
-            await posting.wait()  # follow_command's receiver is open by then
-            os.kill(os.getpid(), signal.SIGINT)
-            await trio.sleep(0.05)  # delivered to the receiver
-            interrupted.set()
+    code = await _run_while(interrupt, err)
     said = err.getvalue().decode().splitlines()
-    assert (code, deleted) == ([130], ["/v1/invocations/run-9"]), said
+    assert (code, deleted) == (130, ["/v1/invocations/run-9"]), said
     assert said[-1] == "run-9: cancelled (cancel_requested)"
