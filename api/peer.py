@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PEER_SCOPE_KEY", "PeerCredentials", "TcpPeer", "WithPeer", "peer_uid"]
+__all__ = ["PEER_SCOPE_KEY", "PeerCredentials", "TcpPeer", "WithPeer", "peer_bound", "peer_uid"]
 
 PEER_SCOPE_KEY = "litegraph.peer"
 ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
@@ -20,11 +20,13 @@ ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
 
 @dataclass(frozen=True)
 class PeerCredentials:
-    """A Unix-socket caller, from SO_PEERCRED."""
+    """A Unix-socket caller, from SO_PEERCRED; `bound`: the standing hold whose own
+    socket it came in on (a claim's, `api.hold_sockets`), None on the node's."""
 
     pid: int
     uid: int
     gid: int
+    bound: str | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class TcpPeer:
     """A TCP caller: the uid owning its socket, None where it is not known."""
 
     uid: int | None
+
+
+def peer_bound(scope: Mapping[str, object]) -> str | None:
+    """The standing hold this request's socket was opened for; None for every other."""
+    peer = scope.get(PEER_SCOPE_KEY)
+    return peer.bound if isinstance(peer, PeerCredentials) else None
 
 
 def peer_uid(scope: Mapping[str, object]) -> int | None:

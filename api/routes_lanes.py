@@ -15,7 +15,7 @@ from quart_trio.wrappers import TrioRequest
 from api.context import NodeContext
 from api.errors import ApiError
 from api.http import ADMIN, check_identifier, decode_body, ready_supervisor, require_role
-from api.peer import peer_uid
+from api.peer import peer_bound, peer_uid
 from api.responses import json_response
 from capabilities import LaneOp, RefreshTooEarly, TokenRefusal, TokenRefused
 from machine.snapshot import rfc3339
@@ -115,8 +115,8 @@ def _lane_errors(ctx: NodeContext) -> Iterator[None]:
 
 
 def _check_holder(sup: Supervisor, lane_id: str, token: str, op: LaneOp) -> None:
-    # The kernel's word on who sent it, on either transport (api/peer.py).
-    sup.check_holder(lane_id, token, op, peer_uid(request.scope))
+    # The kernel's word on who sent it, on either transport, and the socket (api/peer.py).
+    sup.check_holder(lane_id, token, op, peer_uid(request.scope), peer_bound(request.scope))
 
 
 def register_lane_routes(app: QuartTrio, ctx: NodeContext) -> None:

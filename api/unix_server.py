@@ -40,9 +40,30 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
 
 
-def _credentials(sock: trio.socket.SocketType) -> PeerCredentials:
+def _credentials(sock: trio.socket.SocketType, bound: str | None) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return PeerCredentials(*_UCRED.unpack(raw))
+    pid, uid, gid = _UCRED.unpack(raw)
+    return PeerCredentials(pid, uid, gid, bound)
+
+
+class LaneWorkOnly:
+    """A hold's socket serves lane work alone (`/v1/lanes/<id>/...` but drain and
+    resume): the rest of the node's API is not its holder's to reach."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            return  # no websocket, nothing but HTTP requests
+        path = str(scope.get("path", ""))
+        if path.startswith("/v1/lanes/") and not path.endswith(("/drain", "/resume")):
+            await self._app(scope, receive, send)
+            return
+        body = b'{"error":{"code":"not_found","message":"this socket serves lane work only"}}'
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 404, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
@@ -68,19 +89,23 @@ async def serve_unix(
     http: HttpSettings,
     sock: socket.socket,
     shutdown: trio.Event,
+    bound: str | None = None,
 ) -> None:
-    """Serve `app` on the listening Unix socket until `shutdown` is set."""
+    """Serve `app` on the listening Unix socket until `shutdown` is set. `bound`: the
+    standing hold the socket is for, which its requests carry (api/peer.py); such a
+    socket serves lane work alone."""
     config = hypercorn_config(http)
     context = hypercorn.trio.worker_context.WorkerContext(None)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
-            peer = _credentials(stream.socket)
+            peer = _credentials(stream.socket, bound)
         except OSError:
             await trio.aclose_forcefully(stream)
             return
-        with_peer = WithPeer(cast(ASGIApp, ShieldFinalSend(app)), peer)
+        served = cast(ASGIApp, ShieldFinalSend(app))
+        with_peer = WithPeer(served if bound is None else LaneWorkOnly(served), peer)
         wrapped = hypercorn.app_wrappers.ASGIWrapper(with_peer)  # type: ignore[arg-type]
         state = hypercorn.typing.ConnectionState({})
         server = Connection(wrapped, config, context, state, stream)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """The per-claim CDI spec a prepared claim's pods get: one device, the claim, whose only
-edit mounts the claim's own folder (its token file; the node's socket once the daemon
-serves one there) in the container. Mediated: no device node, and never the token
+edit mounts the claim's own folder (its token file and the node's socket for it) in
+the container, and names its lanes. Mediated: no device node, and never the token
 itself (neither in the spec nor in an environment variable, only the path of the file
 that holds it).
 
@@ -11,17 +11,19 @@ calls Prepare again then, and writing the spec again is how it comes back.
 from __future__ import annotations
 
 import json
-import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kubeplugin.files import TOKEN_NAME, write_whole
 from kubeplugin.sockets import DRIVER_NAME
 
 __all__ = [
     "CDI_DIR",
     "CDI_VERSION",
     "CLAIM_MOUNT",
+    "SOCKET_NAME",
     "CdiError",
     "claim_device_id",
     "claim_spec",
@@ -35,6 +37,8 @@ CDI_DIR = Path("/var/run/cdi")
 CDI_VERSION = "0.5.0"
 # Where the claim's folder appears in its containers.
 CLAIM_MOUNT = "/run/litegraph"
+# The node's socket for the claim's pods, in the claim's folder: its tokens work there.
+SOCKET_NAME = "node.sock"
 _CLASS = "claim"
 # CDI's rule for a device name; a claim UID (a UUID) is one.
 _DEVICE_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}")
@@ -60,7 +64,9 @@ def spec_path(claim_uid: str, *, cdi_dir: Path = CDI_DIR, driver: str = DRIVER_N
     return cdi_dir / f"{driver}-{_CLASS}_{_checked(claim_uid)}.json"
 
 
-def claim_spec(claim_uid: str, claim_dir: Path, *, driver: str = DRIVER_NAME) -> dict[str, Any]:
+def claim_spec(
+    claim_uid: str, claim_dir: Path, lane_ids: Sequence[str], *, driver: str = DRIVER_NAME
+) -> dict[str, Any]:
     mount = {
         "hostPath": str(claim_dir),
         "containerPath": CLAIM_MOUNT,
@@ -70,8 +76,9 @@ def claim_spec(claim_uid: str, claim_dir: Path, *, driver: str = DRIVER_NAME) ->
     }
     env = [
         f"LITEGRAPH_CLAIM_UID={claim_uid}",
-        f"LITEGRAPH_CAPABILITY_TOKEN_FILE={CLAIM_MOUNT}/token",
-        f"LITEGRAPH_NODE_SOCKET={CLAIM_MOUNT}/node.sock",
+        f"LITEGRAPH_LANE_IDS={','.join(lane_ids)}",
+        f"LITEGRAPH_CAPABILITY_TOKEN_FILE={CLAIM_MOUNT}/{TOKEN_NAME}",
+        f"LITEGRAPH_NODE_SOCKET={CLAIM_MOUNT}/{SOCKET_NAME}",
     ]
     return {
         "cdiVersion": CDI_VERSION,
@@ -83,20 +90,19 @@ def claim_spec(claim_uid: str, claim_dir: Path, *, driver: str = DRIVER_NAME) ->
 
 
 def write_claim_spec(
-    claim_uid: str, claim_dir: Path, *, cdi_dir: Path = CDI_DIR, driver: str = DRIVER_NAME
+    claim_uid: str,
+    claim_dir: Path,
+    lane_ids: Sequence[str],
+    *,
+    cdi_dir: Path = CDI_DIR,
+    driver: str = DRIVER_NAME,
 ) -> Path:
-    """Write (or write again: Prepare is repeated) the claim's spec, whole: aside, then
-    renamed over, so a runtime never reads half a file. Returns its path."""
+    """Write (or write again: Prepare is repeated) the claim's spec, whole. Returns its
+    path."""
     target = spec_path(claim_uid, cdi_dir=cdi_dir, driver=driver)
     cdi_dir.mkdir(parents=True, exist_ok=True)
-    aside = target.with_name(f".{target.name}.{os.getpid()}")
-    try:
-        aside.write_text(json.dumps(claim_spec(claim_uid, claim_dir, driver=driver), indent=2))
-        aside.chmod(0o644)
-        aside.replace(target)
-    except BaseException:
-        aside.unlink(missing_ok=True)
-        raise
+    spec = claim_spec(claim_uid, claim_dir, lane_ids, driver=driver)
+    write_whole(target, json.dumps(spec, indent=2).encode(), 0o644)
     return target
 
 

@@ -2,14 +2,15 @@
 reach (`kubeplugin.server`).
 
 Prepare, per claim: the claim is read from the API server and checked (`claims.py`);
-the node reserves what it was allocated and mints its token (`reserve`, the node's own
-ledger and journal, so a restart keeps it); the token goes into the claim's own folder
-(0700, the token file 0400 and written whole), which the claim's CDI spec mounts in its
-pods (`cdi.py`); the answer names each allocated device with the claim's CDI device id.
+the node reserves what it was allocated and mints its tokens (`reserve`, the node's own
+ledger and journal, so a restart keeps it; and its socket in the claim's folder); the
+tokens go into the claim's own folder (0700, the token file 0400 and written whole),
+which the claim's CDI spec mounts in its pods (`cdi.py`); the answer names each
+allocated device with the claim's CDI device id.
 Every step is idempotent: kubelet calls Prepare again after its own restart and after a
 reboot (the CDI folder is a tmpfs), and the files are written again.
 
-Unprepare, per claim: the node releases it (`release`, its token revoked; a claim it
+Unprepare, per claim: the node releases it (`release`, its tokens revoked; a claim it
 does not hold is fine: kubelet repeats Unprepare, and the claim may be long deleted),
 then its folder and spec go.
 
@@ -19,9 +20,8 @@ A claim that fails any step gets its own typed error and leaves nothing behind.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -29,21 +29,31 @@ from lightkube import AsyncClient
 
 from kubeplugin.cdi import CDI_DIR, CdiError, claim_device_id, remove_claim_spec, write_claim_spec
 from kubeplugin.claims import ClaimPlan, ClaimRefused, plan_claim, read_claim
+from kubeplugin.files import claim_folder, remove_folder, write_tokens
 from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice
 from kubeplugin.sockets import DRIVER_NAME
 
-__all__ = ["CLAIM_SECONDS", "TOKEN_NAME", "ClaimPreparer"]
+__all__ = ["CLAIM_SECONDS", "ClaimPreparer", "Granted"]
 
 log = logging.getLogger(__name__)
 
-TOKEN_NAME = "token"  # noqa: S105 - a file name
 # One claim's Prepare, inside the batch's own bound (kubeplugin.server.CALL_SECONDS).
 CLAIM_SECONDS = 20.0
 
 
+@dataclass(frozen=True)
+class Granted:
+    """What the node holds for a claim: its lanes and a token for each, in order, and
+    whether this call reserved them (False: held already, a repeated Prepare)."""
+
+    lane_ids: tuple[str, ...]
+    tokens: tuple[str, ...]
+    new: bool
+
+
 class ClaimPreparer:
-    """`reserve(plan)`: the claim's token, and whether this call reserved it (False: the
-    node held it already, a repeated Prepare). `release(claim_uid)`: idempotent."""
+    """`reserve(plan)`: what the node holds for the claim (ClaimRefused when it cannot).
+    `release(claim_uid)`: idempotent."""
 
     def __init__(
         self,
@@ -51,7 +61,7 @@ class ClaimPreparer:
         *,
         node: str,
         claims_dir: Path,
-        reserve: Callable[[ClaimPlan], Awaitable[tuple[str, bool]]],
+        reserve: Callable[[ClaimPlan], Awaitable[Granted]],
         release: Callable[[str], Awaitable[None]],
         cdi_dir: Path = CDI_DIR,
         driver: str = DRIVER_NAME,
@@ -99,17 +109,20 @@ class ClaimPreparer:
         except CdiError as exc:
             return ClaimResult(error=f"claim_malformed: {exc}")
         try:
-            token, new = await self._reserve(plan)
+            granted = await self._reserve(plan)
         except ClaimRefused as refused:
             return ClaimResult(error=str(refused))
         try:
-            folder = self._write_token(claim.uid, token)
-            write_claim_spec(claim.uid, folder, cdi_dir=self._cdi_dir, driver=self._driver)
+            folder = self.folder(claim.uid)
+            write_tokens(folder, granted.tokens)
+            write_claim_spec(
+                claim.uid, folder, granted.lane_ids, cdi_dir=self._cdi_dir, driver=self._driver
+            )
         except OSError as exc:
             log.error("claim %s: not prepared: %s", claim.uid, exc)
-            if new:  # a claim prepared before keeps what its running pods use
+            if granted.new:  # a claim prepared before keeps what its running pods use
                 try:
-                    self._remove_files(claim.uid)
+                    await self._remove_files(claim.uid)
                 finally:
                     await self._release(claim.uid)
             return ClaimResult(error=f"prepare_failed: {exc}")
@@ -128,32 +141,20 @@ class ClaimPreparer:
     async def _unprepare_one(self, claim: ClaimRef) -> str:
         try:
             await self._release(claim.uid)
-            self._remove_files(claim.uid)
+            await self._remove_files(claim.uid)
+        except ClaimRefused as refused:  # still held: kubelet asks again
+            return f"unprepare_failed: {refused}"
         except (OSError, CdiError) as exc:
             return f"unprepare_failed: {exc}"
         return ""
 
-    def _folder(self, claim_uid: str) -> Path:
+    def folder(self, claim_uid: str) -> Path:
+        """The claim's folder, made if it is not there (0700)."""
         claim_device_id(claim_uid, self._driver)  # a uid that names a file, nothing more
-        return self._claims_dir / claim_uid
+        return claim_folder(self._claims_dir, claim_uid)
 
-    def _write_token(self, claim_uid: str, token: str) -> Path:
-        folder = self._folder(claim_uid)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        target = folder / TOKEN_NAME
-        aside = folder / f".{TOKEN_NAME}.{os.getpid()}"
-        aside.unlink(missing_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(aside, flags, 0o400)
-        try:
-            data = memoryview(token.encode() + b"\n")
-            while data:
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
-        aside.replace(target)
-        return folder
-
-    def _remove_files(self, claim_uid: str) -> None:
+    async def _remove_files(self, claim_uid: str) -> None:
+        """Its spec, then its folder, off the event loop: its pods may have filled it."""
         remove_claim_spec(claim_uid, cdi_dir=self._cdi_dir, driver=self._driver)
-        shutil.rmtree(self._folder(claim_uid), ignore_errors=True)
+        claim_device_id(claim_uid, self._driver)
+        await trio.to_thread.run_sync(remove_folder, self._claims_dir / claim_uid)

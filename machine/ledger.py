@@ -308,6 +308,7 @@ class Ledger:
             isolation=request.isolation,
             requirement=request.requirement,
             request_digest=request.request_digest,
+            standing=request.standing,
         )
         self._apply(reservation)
         return reservation

@@ -271,7 +271,8 @@ class Machine:
 
     async def release(self, reservation_id: str) -> Reservation | None:
         """Free now, then journal; idempotent. A journal failure is logged, not raised:
-        the resources are already free here, and a restart releases the record."""
+        the resources are already free here, and a restart releases the record. A
+        standing reservation's is raised, and it stays held: a restart would keep it."""
         reservation = self.ledger.release(reservation_id)
         if reservation is None:
             return None
@@ -280,6 +281,9 @@ class Machine:
                 ReleaseRecord(reservation_id=reservation_id), shield=True
             )
         except (OSError, JournalError, trio.TooSlowError) as exc:
+            if reservation.standing:
+                self.ledger.adopt(reservation)
+                raise
             log.warning("journal release of %s failed: %s", reservation_id, exc)
         return reservation
 

@@ -73,7 +73,8 @@ class ReconcileReport(msgspec.Struct, frozen=True, kw_only=True):
     gone: tuple[int, ...] = ()  # already exited, nothing of its group left
     unkillable: tuple[int, ...] = ()  # something of it still alive after SIGKILL
     released: tuple[str, ...] = ()
-    kept: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()  # a process of it survived: held, never handed out twice
+    standing: tuple[str, ...] = ()  # held for a holder outside the node: kept as it was
 
 
 class _Found(enum.Enum):
@@ -215,7 +216,11 @@ async def reconcile(
             journal.record_process_ended(record.reservation_id, pid)
     released: list[str] = []
     kept: list[str] = []
-    for reservation_id in journal.reservations():
+    standing: list[str] = []
+    for reservation_id, reservation in journal.reservations().items():
+        if reservation.standing:
+            standing.append(reservation_id)
+            continue
         if reservation_id in stuck:
             kept.append(reservation_id)
             continue
@@ -231,4 +236,5 @@ async def reconcile(
         unkillable=tuple(sorted(survivors)),
         released=tuple(released),
         kept=tuple(kept),
+        standing=tuple(standing),
     )

@@ -54,6 +54,8 @@ class ReservationRequest(msgspec.Struct, frozen=True, kw_only=True):
     lane_id: str | None = None
     # Journaled with the reservation (see Reservation.request_digest).
     request_digest: str = ""
+    # Held for a holder outside the node (see Reservation.standing).
+    standing: bool = False
 
 
 class LaneGrant(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +77,9 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     requirement: Requirement
     # What was asked, as a digest: a restart remembers the invocation it ended by it.
     request_digest: str = ""
+    # Held for a holder outside the node (a Kubernetes claim's pods), not for one of
+    # its invocations: a restart keeps it, and only its holder's release ends it.
+    standing: bool = False
 
     @property
     def visible_devices(self) -> tuple[str, ...]:

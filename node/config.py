@@ -112,6 +112,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_kernel_seconds: float
     log_level: LogLevel
     log_format: LogFormat
+    kubelet_plugin: bool = False
+    kube_node_name: str = ""
+    kubelet_dir: str = "/var/lib/kubelet"
+    cdi_dir: str = "/var/run/cdi"
+    kube_shared_gpus: tuple[str, ...] = ()
 
     @property
     def listen_host(self) -> str:
@@ -225,6 +230,18 @@ def _folders(value: list[Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.normpath(x) for x in value))
 
 
+def _kube_node_name(text: str) -> str:
+    if text and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", text):
+        raise ValueError("expected a Kubernetes node name (a lower-case DNS subdomain)")
+    return text
+
+
+def _strings(value: list[Any]) -> tuple[str, ...]:
+    if not all(isinstance(x, str) and x for x in value):
+        raise ValueError("expected a JSON array of strings")
+    return tuple(dict.fromkeys(value))
+
+
 def _kernel_seconds(value: float) -> float:
     # A day at most: the edge waits for a kernel as long as it may run.
     if not 0 < value <= 86400:
@@ -271,6 +288,10 @@ _CHECKS: dict[str, Any] = {
     "max_kernel_seconds": _kernel_seconds,
     "log_level": LogLevel,
     "log_format": LogFormat,
+    "kube_node_name": _kube_node_name,
+    "kubelet_dir": _absolute,
+    "cdi_dir": _absolute,
+    "kube_shared_gpus": _strings,
 }
 
 
@@ -292,6 +313,8 @@ def build_config(typed: Mapping[str, Any]) -> Config:
             fields[name] = check(typed[name]) if check else typed[name]
         except ValueError as exc:
             problems.append(f"--{shown}: {exc} (got {typed[name]!r})")
+    if fields.get("kubelet_plugin") and not fields.get("kube_node_name"):
+        problems.append("--kubelet-plugin: needs --kube-node-name (the DaemonSet's spec.nodeName)")
     if problems:
         raise FlagError("; ".join(problems))
     return Config(**fields)

@@ -59,7 +59,12 @@ from supervisor.sandbox_pool import SandboxPool
 from supervisor.wire import InvocationState, NodeEvent
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from lightkube import AsyncClient
     from quart_trio import QuartTrio
+
+    from node.kube_driver import KubeDriver
 
 __all__ = ["Daemon", "StartupError", "http_settings", "lane_host_env", "startup_error_in"]
 
@@ -185,6 +190,9 @@ class Daemon:
         # How guests are confined here (dev's banner says who they run as).
         self.guests: GuestSetup | None = None
         self.telemetry: TelemetryPusher | None = None
+        # The DRA driver's (`--kubelet-plugin`); tests name a client for their API server.
+        self.kube_driver: KubeDriver | None = None
+        self.kube_client: Callable[[], AsyncClient] | None = None
         self._handle_signals = handle_signals
         self._pynvml = pynvml_module
         self._signals = SignalWatcher(self.stop, self._shutdown_plan)
@@ -389,6 +397,13 @@ class Daemon:
                 bearer=bearer,
             )
             await nursery.start(self.telemetry.run)
+        if config.kubelet_plugin:
+            # Imported only here: the Kubernetes libraries are the `kubernetes` extra's.
+            from node.kube_driver import run_kube_driver
+
+            self.kube_driver = await nursery.start(
+                run_kube_driver, config, supervisor, self._app, self.context.http, self.kube_client
+            )
 
     def _snapshot(self, machine: Machine, changes: int, notes: tuple[str, ...]) -> NodeSnapshot:
         drained = self.supervisor.drain_reason() if self.supervisor is not None else None

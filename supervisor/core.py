@@ -36,6 +36,7 @@ from supervisor.listing import ListQuery
 from supervisor.logstore import LogStore
 from supervisor.lookup import Lookup, UnknownInvocation
 from supervisor.sandbox_pool import SandboxPool
+from supervisor.standing_holds import StandingHolds
 from supervisor.state import Shared, SupervisorState
 from supervisor.submission import Submission
 from supervisor.wire import (
@@ -128,6 +129,7 @@ class Supervisor:
         self._endings = Endings(state, self._health)
         self._submission = Submission(state, self._endings)
         self._lanes = LaneRouting(state)
+        self.holds = StandingHolds(state)
         self._drain = Drain(state)
         self._lookup = Lookup(state)
         state.owners.update(
@@ -137,7 +139,7 @@ class Supervisor:
                     lane,
                     state.validator,
                     lane_hosts,
-                    is_live=lambda sub: sub in state.live,
+                    is_live=lambda sub: sub in state.live or sub in state.holds,
                     usable=machine.ledger.available,
                     on_fault=self._health.lane_host_faulted,
                     on_recovered=self._health.lane_recovered,
@@ -163,6 +165,8 @@ class Supervisor:
                 if state.pool is not None:
                     nursery.start_soon(state.pool.run)
                 await self._endings.remember_restart_endings()
+                self.holds.restore()
+                nursery.start_soon(self.holds.keep_fresh)
                 # Ready once every lane's host has answered its hello (or failed to, and
                 # is being restarted: lane_hosts_problem says so); each start is bounded.
                 with trio.move_on_after(self.lane_host_start_wait):
@@ -240,11 +244,13 @@ class Supervisor:
     async def lane_download(self, lane_id: str, token: str, work: Download) -> bytes:
         return await self._lanes.lane_download(lane_id, token, work)
 
-    def check_holder(self, lane_id: str, token: str, op: LaneOp, peer_uid: int | None) -> None:
-        self._lanes.check_holder(lane_id, token, op, peer_uid)
+    def check_holder(
+        self, lane_id: str, token: str, op: LaneOp, peer_uid: int | None, bound: str | None = None
+    ) -> None:
+        self._lanes.check_holder(lane_id, token, op, peer_uid, bound)
 
     def refresh_token(self, lane_id: str, token: str) -> MintedToken:
-        return self._lanes.refresh_token(lane_id, token)
+        return self._lanes.refresh_token(lane_id, token, self.holds.tokens_changed)
 
     # -- drain (drain.py) ---------------------------------------------------------------
     def drain_reason(self) -> str | None:

@@ -11,6 +11,8 @@ memory and processes its lane hosts spend are charged to it, within its own limi
   its first session with its reservation's CPU and memory, shared by its sessions
   on every lane, and read (its status's `usage`) and removed when it ends
   (`release`).
+- A standing hold's sessions (a Kubernetes claim's, `supervisor.standing_holds`) run
+  in the node's own cgroup: its pods are charged in theirs, its buffers by the lane.
 - Where the node has no cgroups (`GuestPolicy.cgroups` is None: an unprivileged
   daemon, or no usable hierarchy), sessions run uncharged, as its guests do.
 
@@ -64,8 +66,10 @@ class LaneCharges:
         live: Mapping[str, Invocation],
         owners: Mapping[str, LaneOwner],
         guests: Callable[[], GuestPolicy],
+        holds: Mapping[str, object] | None = None,
     ) -> None:
         self._live = live  # the supervisor's own tables, read as they change
+        self._holds: Mapping[str, object] = {} if holds is None else holds
         self._owners = owners
         self._guests = guests
         self._charges: dict[str, _Charge] = {}  # by live invocation
@@ -129,6 +133,8 @@ class LaneCharges:
 
     async def _cgroup_for(self, invocation_id: str) -> InvocationCgroup | None:
         inv = self._live.get(invocation_id)
+        if inv is None and invocation_id in self._holds:
+            return None  # a standing hold's: the node's own (supervisor.standing_holds)
         if inv is None:
             raise LaneWorkError(409, "invocation_not_live", "the invocation has ended")
         policy = self._guests()

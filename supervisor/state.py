@@ -20,6 +20,7 @@ from machine import Machine
 from supervisor.events import EventHub
 from supervisor.guests import GuestPolicy
 from supervisor.history import History
+from supervisor.hold import Hold
 from supervisor.invocation import Invocation
 from supervisor.lane_charges import LaneCharges
 from supervisor.lane_owner import LaneOwner
@@ -54,6 +55,8 @@ class SupervisorState:
     # Every ending the journal remembers (from before a restart too), for the list.
     history: History
     live: dict[str, Invocation] = dataclasses.field(default_factory=dict)
+    # Standing holds (a Kubernetes claim's lanes), by subject (supervisor.standing_holds).
+    holds: dict[str, Hold] = dataclasses.field(default_factory=dict)
     waiting: int = 0  # live invocations in `queued` (admitted or being admitted)
     ended: OrderedDict[str, Invocation] = dataclasses.field(default_factory=OrderedDict)
     # Invocations ended since start, by final state: only ever grows (unlike `ended`).
@@ -69,7 +72,7 @@ class SupervisorState:
     pool: SandboxPool | None = None
 
     def __post_init__(self) -> None:
-        self.charges = LaneCharges(self.live, self.owners, lambda: self.guests)
+        self.charges = LaneCharges(self.live, self.owners, lambda: self.guests, self.holds)
 
 
 class _HasState(Protocol):

@@ -11,7 +11,7 @@ import contextlib
 import pathlib
 import re
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
 import httpx
@@ -102,14 +102,17 @@ async def running_daemon(
     pynvml_module: Any = None,
     dev: bool = False,
     config: Config | None = None,
+    prepare: Callable[[Daemon], None] = lambda _daemon: None,
 ) -> AsyncIterator[RunningDaemon]:
-    """Start a daemon, yield it with its operator secrets, stop it on the way out."""
+    """Start a daemon (`prepare` sees it first), yield it with its operator secrets,
+    stop it on the way out."""
     daemon = Daemon(
         config or daemon_config(tmp_path, *argv, devices=devices),
         handle_signals=False,
         dev=dev,
         pynvml_module=pynvml_module,
     )
+    prepare(daemon)
     async with trio.open_nursery() as nursery:
         try:
             with trio.fail_after(START_SECONDS):

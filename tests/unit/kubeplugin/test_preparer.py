@@ -16,12 +16,14 @@ import pytest
 
 from kubeplugin.claims import ClaimPlan, ClaimRefused
 from kubeplugin.contracts import dra_pb2, dra_pb2_grpc
-from kubeplugin.preparer import TOKEN_NAME, ClaimPreparer
+from kubeplugin.files import TOKEN_NAME
+from kubeplugin.preparer import ClaimPreparer, Granted
 from kubeplugin.server import ClaimRef
 from tests.kube_fixtures import client_for, fake_api_server, kubelet, plugin
 from tests.unit.kubeplugin.test_claims import ALLOCATED, REF, claim_doc
 
 TOKEN = "v4.public.claim-token"
+LANE = "lane_0123456789abcdef"
 
 
 class Node:
@@ -31,12 +33,12 @@ class Node:
         self.held: dict[str, ClaimPlan] = {}
         self.busy: set[str] = set()
 
-    async def reserve(self, plan: ClaimPlan) -> tuple[str, bool]:
+    async def reserve(self, plan: ClaimPlan) -> Granted:
         if any(d.device in self.busy for d in plan.devices):
             raise ClaimRefused("lane_held", "gpu-0-shared is held by another claim")
         new = plan.claim.uid not in self.held
         self.held[plan.claim.uid] = plan
-        return TOKEN, new
+        return Granted(lane_ids=(LANE,), tokens=(TOKEN,), new=new)
 
     async def release(self, claim_uid: str) -> None:
         self.held.pop(claim_uid, None)
@@ -127,16 +129,16 @@ async def test_a_failed_repeat_keeps_what_running_pods_hold_and_a_fault_is_one_c
     async with preparer_of(node, tmp_path) as preparer:
         assert (await preparer.prepare([REF]))[REF.uid].error == ""
 
-        def disk_full(claim_uid: str, token: str) -> pathlib.Path:
+        def disk_full(folder: pathlib.Path, tokens: object) -> None:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(preparer, "_write_token", disk_full)
+        monkeypatch.setattr("kubeplugin.preparer.write_tokens", disk_full)
         again = await preparer.prepare([REF])
         assert again[REF.uid].error.startswith("prepare_failed:")
         assert list(node.held) == [REF.uid]  # a repeat's failure revokes nothing
         monkeypatch.undo()
 
-        async def broken(plan: ClaimPlan) -> tuple[str, bool]:
+        async def broken(plan: ClaimPlan) -> Granted:
             raise RuntimeError("the journal is closed")
 
         monkeypatch.setattr(preparer, "_reserve", broken)

@@ -245,3 +245,49 @@ async def test_a_full_disk_is_a_readiness_reason_until_the_retry_writes(
     journal, replay = Journal.open(tmp_path)
     journal.close()
     assert set(replay.reservations) == {"held"} and replay.problem is None
+
+
+async def test_a_standing_reservation_outlives_a_restart_and_only_its_release_ends_it(
+    tmp_path: Path,
+) -> None:
+    machine = await open_machine(tmp_path)
+    claim = ReservationRequest(
+        reservation_id="claim:c1/0",
+        requirement=Requirement.GPU,
+        isolation=Isolation.DEDICATED,
+        standing=True,
+    )
+    held = await machine.reserve(claim)
+    await machine.reserve(ReservationRequest(reservation_id="inv-1", cpu_millis=500))
+    await machine.aclose()
+
+    again = await open_machine(tmp_path)
+    assert again.recovery is not None
+    assert again.recovery.released == ("inv-1",)  # an invocation ends with its daemon
+    assert again.recovery.standing == ("claim:c1/0",)
+    assert again.ledger.get("claim:c1/0") == held
+    assert again.ledger.is_exclusive(held.lanes[0].lane_id)
+    assert await again.release("claim:c1/0") == held
+    await again.aclose()
+
+    third = await open_machine(tmp_path)
+    assert third.ledger.get("claim:c1/0") is None and third.recovery is not None
+    assert third.recovery.standing == () and third.recovery.released == ()
+    await third.aclose()
+
+
+async def test_a_standing_release_the_journal_refuses_stays_held(tmp_path: Path) -> None:
+    machine = await open_machine(tmp_path)
+    held = await machine.reserve(
+        ReservationRequest(reservation_id="claim:c1/0", cpu_millis=500, standing=True)
+    )
+
+    async def refused(*_args: object, **_kw: object) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    machine.group_commit.commit = refused  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="injected"):
+        await machine.release("claim:c1/0")
+    assert machine.ledger.get("claim:c1/0") == held  # a restart would keep it: so does this
+    assert machine.snapshot().capacity.cpu_millis.allocated == 500
+    await machine.aclose()

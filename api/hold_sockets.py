@@ -1,0 +1,80 @@
+"""A Unix socket of its own for each standing hold (a Kubernetes claim's): its tokens
+work there and nowhere else, and nothing else's does (`supervisor.lane_routing`), so
+the socket, mounted only in the claim's pods, binds the tokens to them.
+
+Each is served in the daemon's nursery (`api.unix_server`, lane work only) from
+`open` until `close`; opening one again (a repeated Prepare) keeps the one served.
+At most `max_sockets` at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from pathlib import Path
+
+import trio
+from quart_trio import QuartTrio
+
+from api.settings import HttpSettings
+from api.unix_server import bind_unix_socket, serve_unix
+
+__all__ = ["HoldSockets", "HoldSocketsFull"]
+
+log = logging.getLogger(__name__)
+
+MAX_SOCKETS = 1024
+
+
+class HoldSocketsFull(RuntimeError):
+    """No room for another hold's socket."""
+
+
+class HoldSockets:
+    def __init__(
+        self,
+        app: QuartTrio,
+        http: HttpSettings,
+        nursery: trio.Nursery,
+        *,
+        max_sockets: int = MAX_SOCKETS,
+    ) -> None:
+        self._app = app
+        self._http = http
+        self._nursery = nursery
+        self._max = max_sockets
+        self._served: dict[str, tuple[Path, trio.Event]] = {}
+
+    def __contains__(self, subject: object) -> bool:
+        return subject in self._served
+
+    def open(self, subject: str, path: Path) -> None:
+        """Serve the hold's socket at `path` (OSError when it cannot be bound)."""
+        served = self._served.get(subject)
+        if served is not None and served[0] == path and path.is_socket():
+            return
+        self.close(subject)
+        if len(self._served) >= self._max:
+            raise HoldSocketsFull(f"{self._max} hold sockets are open")
+        sock = bind_unix_socket(path)
+        stop = trio.Event()
+        self._served[subject] = (path, stop)
+        self._nursery.start_soon(self._serve, subject, sock, stop)
+
+    def close(self, subject: str) -> None:
+        """Stop serving the hold's socket and remove it; nothing when there is none."""
+        served = self._served.pop(subject, None)
+        if served is None:
+            return
+        path, stop = served
+        stop.set()
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_socket():
+                path.unlink()
+
+    async def _serve(self, subject: str, sock: socket.socket, stop: trio.Event) -> None:
+        try:
+            await serve_unix(self._app, self._http, sock, stop, bound=subject)
+        finally:
+            sock.close()

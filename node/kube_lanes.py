@@ -1,0 +1,121 @@
+"""The node's device lanes as the DRA driver offers them, and back again.
+
+Every GPU lane is one device: a whole GPU (`gpu-<id>`), a MIG instance
+(`mig-<id>`), or, for the GPUs the operator shares (`--kube-shared-gpus`), its
+VRAM that many claims take part of (`vram-<id>`); `<id>` is the lane id's hex, so
+a device name names its lane and nothing a pod could enumerate. The CPU pool is
+not offered. Attributes: `type` (gpu, mig, vram), the device's uuid, product,
+compute capability, driver version and PCI bus id, and for a MIG instance its
+profile and parent GPU. Health as the ledger shows it: a lost device is `lost`,
+any other not allocatable one `unhealthy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from kubeplugin.claims import AllocatedDevice
+from kubeplugin.slices import OfferedDevice, Version
+from machine.health import ALLOCATABLE_STATES, HealthState
+from machine.inventory import GpuDevice, Inventory
+from machine.lanes import Lane, LaneKind
+from machine.ledger import Ledger
+from supervisor.hold import HoldGrant
+
+__all__ = ["KubeLaneError", "hold_grant", "offered_devices", "shares"]
+
+_LANE_PREFIX = "lane_"
+SHARE_ALL = "all"
+
+
+class KubeLaneError(ValueError):
+    """A device name that names no lane of this node, or the wrong kind of one."""
+
+
+def shares(lane: Lane, shared_gpus: Collection[str]) -> bool:
+    """Whether the lane's VRAM is offered in parts (a GPU the operator shares)."""
+    if lane.kind is not LaneKind.GPU:
+        return False
+    return SHARE_ALL in shared_gpus or lane.device_id in shared_gpus
+
+
+def _kind(lane: Lane, shared_gpus: Collection[str]) -> str:
+    if lane.kind is LaneKind.MIG:
+        return "mig"
+    return "vram" if shares(lane, shared_gpus) else "gpu"
+
+
+def device_name(lane: Lane, shared_gpus: Collection[str]) -> str:
+    return f"{_kind(lane, shared_gpus)}-{lane.lane_id.removeprefix(_LANE_PREFIX)}"
+
+
+def _version(text: str | None) -> Version | None:
+    """A semantic version from a dotted one (8.6 -> 8.6.0); None where it is not one."""
+    if not text:
+        return None
+    parts = text.split("-")[0].split(".")
+    if not all(part.isdigit() for part in parts):
+        return None
+    return Version(".".join([*parts, "0", "0"][:3]))
+
+
+def _attributes(
+    lane: Lane, kind: str, gpu: GpuDevice | None, inventory: Inventory
+) -> dict[str, str | int | bool | Version]:
+    found: dict[str, str | int | bool | Version | None] = {
+        "type": kind,
+        "uuid": lane.visible_uuid or lane.device_id,
+        "productName": gpu.name if gpu else None,
+        "cudaComputeCapability": _version(gpu.compute_capability if gpu else None),
+        "driverVersion": _version(inventory.driver_version),
+        "resource.kubernetes.io/pciBusID": gpu.pci_bus_id.lower()[-12:]
+        if gpu and gpu.pci_bus_id
+        else None,
+    }
+    if lane.kind is LaneKind.MIG and gpu is not None:
+        mig = next((m for m in gpu.mig_instances if m.uuid == lane.visible_uuid), None)
+        found["profile"] = mig.name if mig else None
+        found["parentUUID"] = gpu.uuid
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def _health(ledger: Ledger, lane_id: str) -> str:
+    shown = ledger.lane_health_shown(lane_id)
+    if shown is HealthState.LOST:
+        return "lost"
+    return "ok" if shown in ALLOCATABLE_STATES and ledger.available(lane_id) else "unhealthy"
+
+
+def offered_devices(
+    ledger: Ledger, inventory: Inventory, shared_gpus: Collection[str]
+) -> list[OfferedDevice]:
+    gpus = {gpu.uuid: gpu for gpu in inventory.gpus}
+    offered = []
+    for lane in ledger.lanes():
+        if not lane.is_gpu:
+            continue
+        kind = _kind(lane, shared_gpus)
+        offered.append(
+            OfferedDevice(
+                name=device_name(lane, shared_gpus),
+                memory_bytes=lane.vram_bytes,
+                attributes=_attributes(lane, kind, gpus.get(lane.device_id), inventory),
+                shared=kind == "vram",
+                health=_health(ledger, lane.lane_id),  # type: ignore[arg-type]
+            )
+        )
+    return offered
+
+
+def hold_grant(device: AllocatedDevice, ledger: Ledger, shared_gpus: Collection[str]) -> HoldGrant:
+    """What an allocated device holds of its lane: all of it, or the claim's part of
+    a shared GPU's VRAM (its `memory`, which a shared device's allocation must name)."""
+    kind, _, hexid = device.device.partition("-")
+    lane = ledger.lane(_LANE_PREFIX + hexid)
+    if lane is None or not lane.is_gpu or _kind(lane, shared_gpus) != kind:
+        raise KubeLaneError(f"device {device.device}: no such device on this node")
+    if kind != "vram":
+        return HoldGrant(lane_id=lane.lane_id)
+    if not device.memory_bytes:
+        raise KubeLaneError(f"device {device.device}: a shared device's allocation names no memory")
+    return HoldGrant(lane_id=lane.lane_id, vram_bytes=device.memory_bytes, whole=False)
