@@ -22,41 +22,7 @@ from tests.confinement.test_guest_tokens import OWN_WORK, gpu_sandbox
 M, K, N = 3, 4, 5
 
 # The guest's whole program: the Python standard library over the node's Unix socket.
-MATMUL = f"""
-import base64, http.client, json, os, socket, struct
-
-class Node(http.client.HTTPConnection):
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(os.environ["LITEGRAPH_NODE_SOCKET"])
-
-lane = os.environ["LITEGRAPH_LANE_IDS"].split(",")[0]
-token = open(os.environ["LITEGRAPH_CAPABILITY_TOKEN_FILE"]).read().split()[0]
-
-def call(method, path, body=b"", kind="application/json"):
-    node = Node("node", timeout=30)
-    node.request(method, f"/v1/lanes/{{lane}}" + path, body,
-                 {{"Authorization": "Bearer " + token, "Content-Type": kind}})
-    reply = node.getresponse()
-    data = reply.read()
-    assert reply.status == 200, (method, path, reply.status, data)
-    return data
-
-def work(**body):
-    return json.loads(call("POST", "/work", json.dumps(body)))
-
-def matrix(rows, cols, scale):
-    return struct.pack(f"<{{rows * cols}}f", *((i - 3) / scale for i in range(rows * cols)))
-
-a, b, out = (work(op="memory_reserve", dtype="float32", shape=s)["buffer_id"]
-             for s in ([{M}, {K}], [{K}, {N}], [{M}, {N}]))
-call("PUT", f"/buffers/{{a}}?offset=0", matrix({M}, {K}, 7), "application/octet-stream")
-call("PUT", f"/buffers/{{b}}?offset=0", matrix({K}, {N}, 3), "application/octet-stream")
-work(op="execute", kernel="matmul", buffers={{"a": a, "b": b, "out": out}})
-product = call("GET", f"/buffers/{{out}}?offset=0&length={M * N * 4}")
-devices = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
-print(json.dumps({{"product": base64.b64encode(product).decode(), "devices": devices}}))
-"""
+MATMUL = (pathlib.Path(__file__).resolve().parents[2] / "examples" / "lane_matmul.py").read_text()
 
 
 def _matrix(rows: int, cols: int, scale: float) -> np.ndarray:

@@ -160,8 +160,7 @@ def test_the_unit_grants_exactly_what_confinement_needs() -> None:
 
 
 def test_the_daemonset_is_valid_yaml_and_leaves_guests_uncapped() -> None:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
-    spec = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())["spec"]["template"]["spec"]
+    spec = daemonset_spec()
     (container,) = spec["containers"]
     # Guests' cgroups live below the container's: a limit there caps them all.
     assert "limits" not in container["resources"], container["resources"]
@@ -172,7 +171,9 @@ def test_the_daemonset_is_valid_yaml_and_leaves_guests_uncapped() -> None:
     assert security["readOnlyRootFilesystem"] is True
     assert security["seccompProfile"] == {"type": "Unconfined"}
     env = {item["name"]: item.get("value") for item in container["env"]}
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    # The driver libraries only: `all` would hand the pod every GPU behind the back of
+    # whatever else accounts for them; the node gives GPUs to pods as a DRA driver.
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "none"
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     run_dir = env["LITEGRAPH_NODE_GUEST_RUN_DIR"]
@@ -187,10 +188,16 @@ def test_the_daemonset_is_valid_yaml_and_leaves_guests_uncapped() -> None:
 # -- the DaemonSet against the node's flags ------------------------------------------
 
 
-def daemonset_spec() -> dict[str, Any]:
+def daemonset() -> dict[str, Any]:
+    """The DaemonSet of daemonset.yaml (which holds its namespace and Service too)."""
     yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
-    spec: dict[str, Any] = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())["spec"]
-    return spec["template"]["spec"]  # type: ignore[no-any-return]
+    documents = yaml.safe_load_all((DEPLOY / "daemonset.yaml").read_text())
+    (found,) = [d for d in documents if d and d["kind"] == "DaemonSet"]
+    return found  # type: ignore[no-any-return]
+
+
+def daemonset_spec() -> dict[str, Any]:
+    return daemonset()["spec"]["template"]["spec"]  # type: ignore[no-any-return]
 
 
 def daemonset_config(container: dict[str, Any]) -> Config:

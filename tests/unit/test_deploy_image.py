@@ -17,6 +17,7 @@ import tomllib
 import pytest
 
 from node.cli import COMMANDS
+from tests.unit.test_deploy import daemonset_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -71,9 +72,7 @@ def venv_of_entrypoint() -> tuple[pathlib.PurePosixPath, str]:
 
 
 def daemonset_container() -> dict[str, object]:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
-    spec = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())["spec"]["template"]["spec"]
-    (container,) = spec["containers"]
+    (container,) = daemonset_spec()["containers"]
     assert isinstance(container, dict)
     return container
 
