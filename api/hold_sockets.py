@@ -5,12 +5,19 @@ the socket, mounted only in the claim's pods, binds the tokens to them.
 Each is served in the daemon's nursery (`api.unix_server`, lane work only) from
 `open` until `close`; opening one again (a repeated Prepare) keeps the one served.
 At most `max_sockets` at once.
+
+A socket is bound and made 0666 in `staging`, a folder of the node's own that no pod
+sees, and only then renamed into the claim's folder: the claim's pods may write in
+theirs, and a chmod there could be led by a symlink they swapped in to any file of the
+host. A rename follows no symlink; it replaces what was there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
 import socket
 from pathlib import Path
 
@@ -37,10 +44,12 @@ class HoldSockets:
         app: QuartTrio,
         http: HttpSettings,
         nursery: trio.Nursery,
+        staging: Path,
         *,
         max_sockets: int = MAX_SOCKETS,
     ) -> None:
         self._app = app
+        self._staging = staging
         self._http = http
         self._nursery = nursery
         self._max = max_sockets
@@ -57,7 +66,15 @@ class HoldSockets:
         self.close(subject)
         if len(self._served) >= self._max:
             raise HoldSocketsFull(f"{self._max} hold sockets are open")
-        sock = bind_unix_socket(path)
+        self._staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = self._staging / f"{secrets.token_hex(8)}.sock"
+        sock = bind_unix_socket(made)
+        try:
+            os.rename(made, path)
+        except BaseException:
+            sock.close()
+            made.unlink(missing_ok=True)
+            raise
         stop = trio.Event()
         self._served[subject] = (path, stop)
         self._nursery.start_soon(self._serve, subject, sock, stop)

@@ -33,16 +33,20 @@ def write_whole(path: Path, data: bytes, mode: int) -> None:
 
 
 def claim_folder(claims_dir: Path, claim_uid: str) -> Path:
-    """The claim's folder (0700), made if it is not there."""
+    """The claim's folder, made if it is not there: 0755 in the claims' own 0700 folder,
+    so that only its pods (where it is mounted) reach it, whatever uid they run as."""
+    claims_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    claims_dir.chmod(0o700)  # whatever the umask made (no pod reaches these two paths)
     folder = claims_dir / claim_uid
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o755, exist_ok=True)
+    folder.chmod(0o755)
     return folder
 
 
 def write_tokens(folder: Path, tokens: Sequence[str]) -> None:
-    """The claim's token file (0400): one token per line, in its lanes' order (the
-    order of LITEGRAPH_LANE_IDS), as a sandbox guest's."""
-    write_whole(folder / TOKEN_NAME, "".join(f"{token}\n" for token in tokens).encode(), 0o400)
+    """The claim's token file (0444, in a folder only its pods reach): one token per
+    line, in its lanes' order (the order of LITEGRAPH_LANE_IDS), as a sandbox guest's."""
+    write_whole(folder / TOKEN_NAME, "".join(f"{token}\n" for token in tokens).encode(), 0o444)
 
 
 def remove_folder(folder: Path) -> None:

@@ -4,9 +4,9 @@ reach (`kubeplugin.server`).
 Prepare, per claim: the claim is read from the API server and checked (`claims.py`);
 the node reserves what it was allocated and mints its tokens (`reserve`, the node's own
 ledger and journal, so a restart keeps it; and its socket in the claim's folder); the
-tokens go into the claim's own folder (0700, the token file 0400 and written whole),
-which the claim's CDI spec mounts in its pods (`cdi.py`); the answer names each
-allocated device with the claim's CDI device id.
+tokens go into the claim's own folder (0755 in the claims' 0700 folder, the token file
+0444 and written whole), which the claim's CDI spec mounts in its pods (`cdi.py`); the
+answer names each allocated device with the claim's CDI device id.
 Every step is idempotent: kubelet calls Prepare again after its own restart and after a
 reboot (the CDI folder is a tmpfs), and the files are written again.
 
@@ -149,7 +149,7 @@ class ClaimPreparer:
         return ""
 
     def folder(self, claim_uid: str) -> Path:
-        """The claim's folder, made if it is not there (0700)."""
+        """The claim's folder, made if it is not there (`kubeplugin.files.claim_folder`)."""
         claim_device_id(claim_uid, self._driver)  # a uid that names a file, nothing more
         return claim_folder(self._claims_dir, claim_uid)
 

@@ -11,7 +11,12 @@ never a failed call, which kubelet would take as no answer for every claim.
 
 The DRA service starts before the registration socket appears (kubelet dials the
 endpoint as soon as it has registered the plugin), and the registration socket goes
-first at the end. Only this plugin's own two sockets are ever created or removed.
+first at the end. Only this plugin's own two sockets are ever created or removed. A
+registration socket that disappears (its folder cleaned) is served again within
+REGISTRATION_CHECK_SECONDS, and kubelet registers the plugin anew.
+
+Given a health source, the node service's socket serves the health stream too
+(`kubeplugin.health`), and the registration advertises it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import trio
 
-from kubeplugin.contracts import dra_pb2, dra_pb2_grpc, registration_pb2, registration_pb2_grpc
+from kubeplugin.contracts import (
+    dra_health_pb2_grpc,
+    dra_pb2,
+    dra_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
+from kubeplugin.health import HEALTH_SERVICE, MAX_STREAMS, DeviceHealthReading, HealthService
 from kubeplugin.sockets import DRIVER_NAME, PluginSockets
 
 __all__ = [
@@ -45,11 +57,15 @@ log = logging.getLogger(__name__)
 
 # Kubelet gives every call 45 s; an answer (an error one included) comes well before.
 CALL_SECONDS = 30.0
-# Calls in flight at once: GetInfo is answered while Prepare calls wait for trio.
-_WORKERS = 4
+# Calls in flight at once: GetInfo is answered while Prepare calls wait for trio, and
+# each open health stream holds one thread of its own.
+_WORKERS = 4 + MAX_STREAMS
 # kubelet's plugin type for DRA drivers, and the node service version this plugin serves.
 _PLUGIN_TYPE = "DRAPlugin"
 _SUPPORTED = ("v1.DRAPlugin",)
+# How often the registration socket is looked for: one deleted (kubelet's folder
+# cleaned, say) is served again, and kubelet registers the plugin anew.
+REGISTRATION_CHECK_SECONDS = 5.0
 # At the end: how long calls in flight get, and the whole stop.
 _STOP_GRACE_SECONDS = 5.0
 _STOP_SECONDS = 10.0
@@ -103,9 +119,12 @@ class RegistrationState:
 
 
 class _Registration(registration_pb2_grpc.RegistrationServicer):
-    def __init__(self, driver: str, endpoint: Path, state: RegistrationState) -> None:
+    def __init__(
+        self, driver: str, endpoint: Path, state: RegistrationState, *, health: bool
+    ) -> None:
+        versions = (*_SUPPORTED, HEALTH_SERVICE) if health else _SUPPORTED
         self._info = registration_pb2.PluginInfo(
-            type=_PLUGIN_TYPE, name=driver, endpoint=str(endpoint), supported_versions=_SUPPORTED
+            type=_PLUGIN_TYPE, name=driver, endpoint=str(endpoint), supported_versions=versions
         )
         self._state = state
 
@@ -216,8 +235,14 @@ def _remove_own_socket(path: Path) -> None:
     path.unlink()
 
 
-def _add_node_service(node: _NodeService, server: grpc.Server) -> None:
+def _add_node_service(
+    node: _NodeService, health: HealthService | None, server: grpc.Server
+) -> None:
     dra_pb2_grpc.add_DRAPluginServicer_to_server(node, server)  # type: ignore[no-untyped-call]
+    if health is not None:
+        dra_health_pb2_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
+            health, server
+        )
 
 
 def _add_registration(registration: _Registration, server: grpc.Server) -> None:
@@ -247,28 +272,43 @@ async def serve_plugin(
     driver: str = DRIVER_NAME,
     state: RegistrationState | None = None,
     call_seconds: float = CALL_SECONDS,
+    health: Callable[[], Sequence[DeviceHealthReading]] | None = None,
+    pool: str = "",
     task_status: trio.TaskStatus[RegistrationState] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the DRA node service, then the registration socket, until cancelled; then
-    stop both (shielded, bounded) and remove their sockets."""
+    """Serve the DRA node service (and, given `health`, the health stream of the pool
+    `pool`), then the registration socket, until cancelled; then stop both (shielded,
+    bounded) and remove their sockets."""
     state = RegistrationState() if state is None else state
-    bridge = _Bridge(trio.lowlevel.current_trio_token(), call_seconds)
+    token = trio.lowlevel.current_trio_token()
+    bridge = _Bridge(token, call_seconds)
+    watch = None if health is None else HealthService(pool, health, token)
     started: list[tuple[grpc.Server, Path]] = []
     try:
         node = _NodeService(handler, bridge)
         dra = await trio.to_thread.run_sync(
-            _server, sockets.service, functools.partial(_add_node_service, node)
+            _server, sockets.service, functools.partial(_add_node_service, node, watch)
         )
         started.append((dra, sockets.service))
         await trio.to_thread.run_sync(dra.start)
-        reg = _Registration(driver, sockets.service, state)
-        registration = await trio.to_thread.run_sync(
-            _server, sockets.registration, functools.partial(_add_registration, reg)
-        )
-        started.append((registration, sockets.registration))
-        await trio.to_thread.run_sync(registration.start)
-        task_status.started(state)
-        await trio.sleep_forever()
+        reg = _Registration(driver, sockets.service, state, health=watch is not None)
+        first = True
+        while True:
+            registration = await trio.to_thread.run_sync(
+                _server, sockets.registration, functools.partial(_add_registration, reg)
+            )
+            started.append((registration, sockets.registration))
+            await trio.to_thread.run_sync(registration.start)
+            if first:
+                task_status.started(state)
+                first = False
+            else:
+                log.warning("the registration socket was gone: served again")
+            while sockets.registration.is_socket():  # noqa: ASYNC110 - a file, polled
+                await trio.sleep(REGISTRATION_CHECK_SECONDS)
+            with trio.move_on_after(_STOP_SECONDS, shield=True):
+                await trio.to_thread.run_sync(_stop, registration)
+            started.remove((registration, sockets.registration))
     finally:
         with trio.move_on_after(_STOP_SECONDS, shield=True):
             for server, path in reversed(started):  # the registration socket first

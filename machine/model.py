@@ -264,15 +264,35 @@ class Machine:
             await self.group_commit.commit(ReserveRecord(reservation=reservation))
         except BaseException:
             # Not durably recorded: do not hand it out. A record that lands late is
-            # released by reconcile on the next start (it has no process).
+            # released by reconcile on the next start (it has no process); a standing
+            # one reconcile keeps, so its release is recorded after it here.
             self.ledger.release(reservation.reservation_id)
+            if reservation.standing:
+                await self._record_release(reservation.reservation_id)
             raise
         return reservation
 
+    async def _record_release(self, reservation_id: str) -> None:
+        try:
+            await self.group_commit.commit(
+                ReleaseRecord(reservation_id=reservation_id), shield=True
+            )
+        except (OSError, JournalError, trio.TooSlowError) as exc:
+            log.error("journal release of %s failed: %s", reservation_id, exc)
+
     async def release(self, reservation_id: str) -> Reservation | None:
         """Free now, then journal; idempotent. A journal failure is logged, not raised:
-        the resources are already free here, and a restart releases the record. A
-        standing reservation's is raised, and it stays held: a restart would keep it."""
+        the resources are already free here, and a restart releases the record.
+
+        A standing reservation is journaled first and freed only once that is durable
+        (a restart would keep it): a journal failure is raised, and it stays held, never
+        free for a moment to be handed out."""
+        held = self.ledger.get(reservation_id)
+        if held is not None and held.standing:
+            await self.group_commit.commit(
+                ReleaseRecord(reservation_id=reservation_id), shield=True
+            )
+            return self.ledger.release(reservation_id)
         reservation = self.ledger.release(reservation_id)
         if reservation is None:
             return None
@@ -281,9 +301,6 @@ class Machine:
                 ReleaseRecord(reservation_id=reservation_id), shield=True
             )
         except (OSError, JournalError, trio.TooSlowError) as exc:
-            if reservation.standing:
-                self.ledger.adopt(reservation)
-                raise
             log.warning("journal release of %s failed: %s", reservation_id, exc)
         return reservation
 

@@ -397,6 +397,8 @@ class Daemon:
                 bearer=bearer,
             )
             await nursery.start(self.telemetry.run)
+        if not config.kubelet_plugin:
+            self.readiness.check_note("standing_holds", supervisor.holds.unserved)
         if config.kubelet_plugin:
             # Imported only here: the Kubernetes libraries are the `kubernetes` extra's.
             from node.kube_driver import run_kube_driver

@@ -1,7 +1,8 @@
 """The DRA driver inside the daemon (`--kubelet-plugin`): kubelet's plugin sockets
 served (`kubeplugin.server`), the node's lanes published as ResourceSlices
 (`kubeplugin.publisher`, every PUBLISH_SECONDS: a round changes nothing when nothing
-changed, and puts back what kubelet or anyone wiped), and each prepared claim a
+changed, and puts back what kubelet or anyone wiped), their health streamed to kubelet
+(`kubeplugin.health`), and each prepared claim a
 standing hold in the node's own ledger (`supervisor.standing_holds`) with its
 tokens in the claim's folder and a socket of its own there (`api.hold_sockets`).
 
@@ -26,13 +27,14 @@ from api.settings import HttpSettings
 from kubeplugin.cdi import SOCKET_NAME
 from kubeplugin.claims import ClaimPlan, ClaimRefused
 from kubeplugin.files import claim_folder, write_tokens
+from kubeplugin.health import DeviceHealthReading
 from kubeplugin.preparer import ClaimPreparer, Granted
 from kubeplugin.publisher import PublishError, SlicePublisher
 from kubeplugin.server import serve_plugin
 from kubeplugin.slices import OfferedDevice
 from kubeplugin.sockets import DRIVER_NAME, PluginSockets
 from node.config import Config
-from node.kube_lanes import KubeLaneError, hold_grant, offered_devices
+from node.kube_lanes import KubeLaneError, device_health, hold_grant, offered_devices
 from supervisor.core import Supervisor
 from supervisor.hold import Hold
 from supervisor.standing_holds import HoldRefused
@@ -68,6 +70,9 @@ class KubeDriver:
     def devices(self) -> list[OfferedDevice]:
         machine = self._sup.machine
         return list(offered_devices(machine.ledger, machine.inventory, self._shared))
+
+    def health(self) -> list[DeviceHealthReading]:
+        return device_health(self._sup.machine.ledger, self._shared)
 
     def restore(self) -> None:
         """Every hold the node keeps: its folder's tokens and its socket again."""
@@ -156,7 +161,7 @@ async def run_kube_driver(
             claims_dir = plugins / DRIVER_NAME / "claims"
             driver = KubeDriver(
                 supervisor,
-                HoldSockets(app, http, nursery),
+                HoldSockets(app, http, nursery, plugins / DRIVER_NAME / ".sockets"),
                 claims_dir=claims_dir,
                 shared_gpus=config.kube_shared_gpus,
             )
@@ -172,7 +177,15 @@ async def run_kube_driver(
             publisher = SlicePublisher(client, config.kube_node_name, driver.devices, now=_now)
             sockets.service.parent.mkdir(parents=True, exist_ok=True)
             sockets.registration.parent.mkdir(parents=True, exist_ok=True)
-            await nursery.start(functools.partial(serve_plugin, sockets, preparer))
+            await nursery.start(
+                functools.partial(
+                    serve_plugin,
+                    sockets,
+                    preparer,
+                    health=driver.health,
+                    pool=config.kube_node_name,
+                )
+            )
             nursery.start_soon(_publish_forever, publisher)
             task_status.started(driver)
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kubeplugin.claims import AllocatedDevice
+from kubeplugin.health import DeviceHealthReading
 from kubeplugin.slices import OfferedDevice, Version
 from machine.health import ALLOCATABLE_STATES, HealthState
 from machine.inventory import GpuDevice, Inventory
@@ -22,7 +23,7 @@ from machine.lanes import Lane, LaneKind
 from machine.ledger import Ledger
 from supervisor.hold import HoldGrant
 
-__all__ = ["KubeLaneError", "hold_grant", "offered_devices", "shares"]
+__all__ = ["KubeLaneError", "device_health", "hold_grant", "offered_devices", "shares"]
 
 _LANE_PREFIX = "lane_"
 SHARE_ALL = "all"
@@ -105,6 +106,20 @@ def offered_devices(
             )
         )
     return offered
+
+
+def device_health(ledger: Ledger, shared_gpus: Collection[str]) -> list[DeviceHealthReading]:
+    """Each offered device's health for kubelet's health stream, with why it is not
+    healthy (the lane's own fault, or its device's health)."""
+    readings = []
+    for lane in ledger.lanes():
+        if not lane.is_gpu:
+            continue
+        health = _health(ledger, lane.lane_id)
+        why = "" if health == "ok" else ledger.lane_fault(lane.lane_id) or health
+        name = device_name(lane, shared_gpus)
+        readings.append(DeviceHealthReading(name, healthy=health == "ok", message=why))
+    return readings
 
 
 def hold_grant(device: AllocatedDevice, ledger: Ledger, shared_gpus: Collection[str]) -> HoldGrant:

@@ -20,6 +20,7 @@ lane's buffers are bounded by the lane owner).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,14 @@ class StandingHolds:
     def get(self, claim_uid: str) -> Hold | None:
         return self.holds.get(hold_subject(claim_uid))
 
+    def unserved(self) -> str | None:
+        """Where nothing serves the holds (a node started without its DRA driver):
+        what they keep, for the operator to see; None when there are none."""
+        if not self.holds:
+            return None
+        held = ", ".join(sorted(h.claim_uid for h in self.holds.values()))
+        return f"claims held with nothing to serve or release them: {held}"[:500]
+
     def restore(self) -> None:
         """The holds the journal kept (reconcile left standing reservations held),
         each with fresh tokens."""
@@ -90,13 +99,15 @@ class StandingHolds:
             if held is not None:
                 if held.grants() != tuple(grants):
                     raise HoldRefused("hold_changed", "the claim is held with other lanes")
+                if not held.tokens:  # its last minting failed: try again now
+                    self._mint_or_refuse(held)
                 return held, False
             hold = Hold(claim_uid=claim_uid, reservations=())
             try:
                 for index, grant in enumerate(grants):
                     reservation = await self._reserve(hold, index, grant)
                     hold.reservations = (*hold.reservations, reservation)
-                self._mint(hold)
+                self._mint_or_refuse(hold)
             except BaseException:
                 with trio.CancelScope(shield=True):
                     await self._undo(hold)
@@ -122,7 +133,8 @@ class StandingHolds:
                         await self._state.machine.release(reservation.reservation_id)
                         hold.reservations = hold.reservations[:-1]
                 except (OSError, JournalError, trio.TooSlowError) as exc:
-                    self._mint(hold)  # still held: it keeps working until released
+                    with contextlib.suppress(CapabilityError):  # its next refresh retries
+                        self._mint(hold)  # still held: it keeps working until released
                     raise HoldRefused("journal_unavailable", str(exc)) from None
             del self.holds[hold.subject]
             self._state.on_change()
@@ -130,7 +142,15 @@ class StandingHolds:
 
     def tokens_changed(self, hold: Hold) -> None:
         """One of its tokens was traded for a fresh one (a refresh by its holder)."""
-        self.on_tokens(hold)
+        self._announce(hold)
+
+    def _announce(self, hold: Hold) -> None:
+        # Where its holder reads them (a folder its pods can write in): a failure there
+        # is the holder's to see, never the node's to fall over.
+        try:
+            self.on_tokens(hold)
+        except OSError as exc:
+            log.error("claim %s: its tokens not written: %s", hold.claim_uid, exc)
 
     async def keep_fresh(self) -> None:
         """Mint each hold's tokens again at half their life, for as long as it runs."""
@@ -187,7 +207,13 @@ class StandingHolds:
             ).token
         hold.tokens = fresh
         hold.minted_at = time.time()
-        self.on_tokens(hold)
+        self._announce(hold)
+
+    def _mint_or_refuse(self, hold: Hold) -> None:
+        try:
+            self._mint(hold)
+        except CapabilityError as exc:
+            raise HoldRefused("token_unavailable", str(exc)) from None
 
     async def _end_sessions(self, hold: Hold) -> None:
         with trio.move_on_after(CLOSE_SECONDS + 1):
@@ -197,10 +223,16 @@ class StandingHolds:
                     await owner.free_invocation(hold.subject)
 
     async def _undo(self, hold: Hold) -> None:
+        """What a hold that could not be made reserved, released again; one whose release
+        the journal refuses stays held (with what it still has: Unprepare ends it)."""
         self._state.tokens.revoke_invocation(hold.subject)
-        for reservation in reversed(hold.reservations):
+        hold.tokens.clear()
+        while hold.reservations:
             try:
-                await self._state.machine.release(reservation.reservation_id)
+                await self._state.machine.release(hold.reservations[-1].reservation_id)
             except (OSError, JournalError, trio.TooSlowError) as exc:
                 log.error("claim %s: a reservation left held: %s", hold.claim_uid, exc)
-                self.holds[hold.subject] = hold  # still held: Unprepare releases it
+                self.holds[hold.subject] = hold
+                self._state.on_change()
+                return
+            hold.reservations = hold.reservations[:-1]

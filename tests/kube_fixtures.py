@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -22,6 +22,8 @@ from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
 
+from kubeplugin.contracts import dra_health_pb2, dra_health_pb2_grpc
+from kubeplugin.health import DeviceHealthReading
 from kubeplugin.server import ClaimHandler, RegistrationState, serve_plugin
 from kubeplugin.sockets import DRIVER_NAME, PluginSockets
 
@@ -139,7 +141,9 @@ async def fake_api_server() -> AsyncIterator[FakeApiServer]:
 
 @contextlib.asynccontextmanager
 async def plugin(
-    handler: ClaimHandler, call_seconds: float = 30.0
+    handler: ClaimHandler,
+    call_seconds: float = 30.0,
+    health: Callable[[], Sequence[DeviceHealthReading]] | None = None,
 ) -> AsyncIterator[tuple[PluginSockets, RegistrationState]]:
     base = pathlib.Path(tempfile.mkdtemp(prefix="lg-dra-", dir="/tmp"))  # short socket paths
     try:
@@ -149,7 +153,12 @@ async def plugin(
         async with trio.open_nursery() as nursery:
             state = await nursery.start(
                 lambda task_status: serve_plugin(
-                    sockets, handler, call_seconds=call_seconds, task_status=task_status
+                    sockets,
+                    handler,
+                    call_seconds=call_seconds,
+                    health=health,
+                    pool="node-a",
+                    task_status=task_status,
                 )
             )
             yield sockets, state
@@ -167,3 +176,25 @@ def _call(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
 
 async def kubelet(path: pathlib.Path, stub_type: Any, method: str, request: Any) -> Any:
     return await trio.to_thread.run_sync(_call, path, stub_type, method, request)
+
+
+def _read_health(path: pathlib.Path, messages: int, got: Callable[[Any], None]) -> None:
+    """Read the first `messages` of a health stream as kubelet does (blocking), each
+    handed to `got` in trio as it comes."""
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        stream = dra_health_pb2_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+            dra_health_pb2.NodeWatchResourcesRequest(), timeout=30
+        )
+        for _ in range(messages):
+            trio.from_thread.run_sync(got, next(stream))
+        stream.cancel()
+
+
+@contextlib.asynccontextmanager
+async def health_stream(path: pathlib.Path, messages: int) -> AsyncIterator[Any]:
+    """kubelet's health stream on the plugin's socket: the first `messages` of it, each
+    received from the channel yielded as it comes."""
+    send, received = trio.open_memory_channel[Any](messages)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, _read_health, path, messages, send.send_nowait)
+        yield received

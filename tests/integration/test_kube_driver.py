@@ -26,13 +26,25 @@ import pytest
 import trio
 
 from kubeplugin.cdi import CLAIM_MOUNT
-from kubeplugin.contracts import dra_pb2, dra_pb2_grpc, registration_pb2, registration_pb2_grpc
+from kubeplugin.contracts import (
+    dra_health_pb2,
+    dra_pb2,
+    dra_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
 from kubeplugin.sockets import DRIVER_NAME
 from machine.lanes import lane_id_for
 from node.daemon import Daemon
 from tests.api_fixtures import RunningDaemon, running_daemon
 from tests.confinement.test_guest_lane_matmul import MATMUL, M, N, _matrix
-from tests.kube_fixtures import FakeApiServer, client_for, fake_api_server, kubelet
+from tests.kube_fixtures import (
+    FakeApiServer,
+    client_for,
+    fake_api_server,
+    health_stream,
+    kubelet,
+)
 
 NODE = "node-a"
 WHOLE, SHARED, MIGGED = (f"GPU-5e1d0a3c-0000-4000-8000-5157a000000{i}" for i in (1, 2, 3))
@@ -176,8 +188,9 @@ def code_of(reply: httpx.Response) -> tuple[int, str]:
 
 def check_pod_files(env: dict[str, str]) -> None:
     token_file = pathlib.Path(env["LITEGRAPH_CAPABILITY_TOKEN_FILE"])
-    assert stat.S_IMODE(token_file.stat().st_mode) == 0o400
-    assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o444  # a pod of any uid reads it
+    assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o755
+    assert stat.S_IMODE(token_file.parent.parent.stat().st_mode) == 0o700
     assert stat.S_ISSOCK(os.stat(env["LITEGRAPH_NODE_SOCKET"]).st_mode)
 
 
@@ -326,6 +339,15 @@ async def test_claims_the_node_cannot_hold_are_refused_each_with_its_reason(
                 assert errors[mig_uid] == "lane_unhealthy"
                 assert errors[stranger] == "device_unknown"
                 assert errors[vram_uid] == "device_unknown"
+                # kubelet's health stream says so too, for the pods' status.
+                async with health_stream(service, 1) as received:
+                    with trio.fail_after(20):
+                        first = await received.receive()
+                health = {d.device.device_name: d for d in first.devices}
+                assert set(health) == {CLAIMS[key][1] for key in CLAIMS}
+                assert health[mig_device].health == dra_health_pb2.UNHEALTHY
+                assert health[mig_device].message == "lane_faulted"
+                assert health[whole_device].health == dra_health_pb2.HEALTHY
                 # Only the one claim that was given its GPU holds anything.
                 assert len(standing(node)) == 1 and len(sup.holds.holds) == 1
                 assert len(list((root / "cdi").iterdir())) == 1

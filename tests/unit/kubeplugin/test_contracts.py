@@ -8,7 +8,8 @@ import pathlib
 import subprocess
 import sys
 
-from kubeplugin.contracts import dra_pb2, registration_pb2
+from kubeplugin.contracts import dra_health_pb2, dra_pb2, registration_pb2
+from kubeplugin.health import HEALTH_SERVICE
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CONTRACTS = ROOT / "kubeplugin" / "contracts"
@@ -45,3 +46,16 @@ def test_the_method_paths_are_the_kubelets() -> None:
     }  # fmt: skip
     claim = {name: f.number for name, f in dra_pb2.Claim.DESCRIPTOR.fields_by_name.items()}
     assert claim == {"namespace": 1, "uid": 2, "name": 3}
+
+
+def test_the_health_streams_path_and_fields_are_the_kubelets() -> None:
+    service = dra_health_pb2.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+    assert service.full_name == HEALTH_SERVICE == "v1alpha1.DRAResourceHealth"
+    (method,) = service.methods
+    assert method.name == "NodeWatchResources"
+    health = dra_health_pb2.DeviceHealth.DESCRIPTOR.fields_by_name
+    assert {name: f.number for name, f in health.items()} == {
+        "device": 1, "health": 2, "last_updated_time": 3,
+        "health_check_timeout_seconds": 4, "message": 5,
+    }  # fmt: skip
+    assert dra_health_pb2.HealthStatus.Name(2) == "UNHEALTHY"

@@ -85,8 +85,9 @@ async def test_a_claim_is_prepared_again_after_a_reboot_and_unprepared_twice(
             assert device.share_id == "5b7e1c2a-0d4f-4a9b-8c3e-7f1a2b3c4d5e"
             token = claims_dir / REF.uid / TOKEN_NAME
             assert token.read_text() == TOKEN + "\n"
-            assert stat.S_IMODE(token.stat().st_mode) == 0o400
-            assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+            assert stat.S_IMODE(token.stat().st_mode) == 0o444
+            assert stat.S_IMODE(token.parent.stat().st_mode) == 0o755
+            assert stat.S_IMODE(claims_dir.stat().st_mode) == 0o700  # reached by its pods alone
             spec = json.loads(next(cdi_dir.iterdir()).read_text())
             assert spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"] == str(
                 token.parent

@@ -11,10 +11,17 @@ from typing import Any
 import pytest
 import trio
 
-from kubeplugin.contracts import dra_pb2, dra_pb2_grpc, registration_pb2, registration_pb2_grpc
+from kubeplugin.contracts import (
+    dra_health_pb2,
+    dra_pb2,
+    dra_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
+from kubeplugin.health import HEALTH_SERVICE, DeviceHealthReading
 from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice
 from kubeplugin.sockets import DRIVER_NAME, PluginSockets, SocketError
-from tests.kube_fixtures import kubelet, plugin
+from tests.kube_fixtures import health_stream, kubelet, plugin
 
 READY = ClaimResult(
     devices=(
@@ -115,3 +122,46 @@ def test_a_driver_name_or_socket_path_kubelet_would_refuse_is_refused() -> None:
     found = PluginSockets.for_driver(DRIVER_NAME)
     assert str(found.registration) == f"/var/lib/kubelet/plugins_registry/{DRIVER_NAME}-reg.sock"
     assert str(found.service) == f"/var/lib/kubelet/plugins/{DRIVER_NAME}/dra.sock"
+
+
+async def test_the_health_stream_says_every_device_at_once_then_each_change() -> None:
+    readings = [DeviceHealthReading("gpu-0", True), DeviceHealthReading("mig-1", True)]
+    async with plugin(Handler(), health=lambda: list(readings)) as (sockets, _state):
+        reg = registration_pb2_grpc.RegistrationStub
+        info = await kubelet(sockets.registration, reg, "GetInfo", registration_pb2.InfoRequest())
+        assert list(info.supported_versions) == ["v1.DRAPlugin", HEALTH_SERVICE]
+        async with health_stream(sockets.service, 2) as received:
+            with trio.fail_after(20):
+                first = await received.receive()
+                readings[1] = DeviceHealthReading("mig-1", False, "lane_faulted: host crashed")
+                second = await received.receive()
+        assert [(d.device.pool_name, d.device.device_name, d.health) for d in first.devices] == [
+            ("node-a", "gpu-0", dra_health_pb2.HEALTHY),
+            ("node-a", "mig-1", dra_health_pb2.HEALTHY),
+        ]
+        flipped = {d.device.device_name: d for d in second.devices}
+        assert flipped["mig-1"].health == dra_health_pb2.UNHEALTHY
+        assert flipped["mig-1"].message == "lane_faulted: host crashed"
+        assert flipped["gpu-0"].health == dra_health_pb2.HEALTHY
+        assert flipped["mig-1"].health_check_timeout_seconds > 0
+
+
+async def test_without_a_health_source_the_stream_is_not_advertised() -> None:
+    async with plugin(Handler()) as (sockets, _state):
+        reg = registration_pb2_grpc.RegistrationStub
+        info = await kubelet(sockets.registration, reg, "GetInfo", registration_pb2.InfoRequest())
+        assert HEALTH_SERVICE not in info.supported_versions
+
+
+async def test_a_deleted_registration_socket_is_served_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kubeplugin.server.REGISTRATION_CHECK_SECONDS", 0.05)
+    async with plugin(Handler()) as (sockets, _state):
+        sockets.registration.unlink()
+        with trio.fail_after(10):
+            while not sockets.registration.is_socket():  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        reg = registration_pb2_grpc.RegistrationStub
+        info = await kubelet(sockets.registration, reg, "GetInfo", registration_pb2.InfoRequest())
+        assert info.name == DRIVER_NAME

@@ -282,12 +282,45 @@ async def test_a_standing_release_the_journal_refuses_stays_held(tmp_path: Path)
         ReservationRequest(reservation_id="claim:c1/0", cpu_millis=500, standing=True)
     )
 
+    seen_while_writing: list[object] = []
+
     async def refused(*_args: object, **_kw: object) -> None:
+        # Never free while its release is not durable: nothing else may take it meanwhile.
+        seen_while_writing.append(machine.ledger.get("claim:c1/0"))
         raise OSError(errno.EIO, "injected")
 
     machine.group_commit.commit = refused  # type: ignore[method-assign]
     with pytest.raises(OSError, match="injected"):
         await machine.release("claim:c1/0")
+    assert seen_while_writing == [held]
     assert machine.ledger.get("claim:c1/0") == held  # a restart would keep it: so does this
     assert machine.snapshot().capacity.cpu_millis.allocated == 500
     await machine.aclose()
+
+
+async def test_a_standing_reserve_whose_record_landed_too_late_is_released_after_it(
+    tmp_path: Path,
+) -> None:
+    machine = await open_machine(tmp_path)
+    commit = machine.group_commit.commit
+    calls: list[str] = []
+
+    async def late(*records: Record, shield: bool = False) -> None:
+        # The reserve record lands, but its caller has given up on it (its deadline).
+        await commit(*records, shield=shield)
+        calls.append(type(records[0]).__name__)
+        if len(calls) == 1:
+            raise trio.TooSlowError
+
+    machine.group_commit.commit = late  # type: ignore[method-assign]
+    with pytest.raises(trio.TooSlowError):
+        await machine.reserve(
+            ReservationRequest(reservation_id="claim:c1/0", cpu_millis=500, standing=True)
+        )
+    assert calls == ["ReserveRecord", "ReleaseRecord"]
+    assert machine.ledger.get("claim:c1/0") is None
+    await machine.aclose()
+    again = await open_machine(tmp_path)
+    assert again.ledger.get("claim:c1/0") is None  # not held after a restart either
+    assert again.recovery is not None and again.recovery.standing == ()
+    await again.aclose()
