@@ -8,6 +8,8 @@ driver's on this node's pool. Results of other drivers are theirs to prepare.
 
 from __future__ import annotations
 
+import decimal
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,23 +62,32 @@ class ClaimPlan:
     pod_uids: tuple[str, ...]
 
 
-_UNITS = {
-    "Ki": 1 << 10,
-    "Mi": 1 << 20,
-    "Gi": 1 << 30,
-    "Ti": 1 << 40,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-}
+# Kubernetes' quantity suffixes (apimachinery's resource.Quantity): binary, decimal SI,
+# and a decimal exponent.
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"m": -1, "": 0, "k": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+_QUANTITY = re.compile(
+    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[mkMGTPE]|[eE][+-]?[0-9]+)?"
+)
 
 
 def _quantity(text: str) -> int:
-    """A Kubernetes quantity of bytes (`20Gi`, `1500M`, `1073741824`) as an int."""
-    for suffix, factor in sorted(_UNITS.items(), key=lambda item: -len(item[0])):
-        if text.endswith(suffix):
-            return int(text[: -len(suffix)]) * factor
-    return int(text)
+    """A Kubernetes quantity of bytes (`20Gi`, `1.5Gi`, `1500M`, `1e9`, `1073741824`) as
+    a whole number of bytes, a fraction rounded up as the API server does; ValueError
+    for anything else or below 0."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"not a quantity: {text!r}")
+    number, suffix = decimal.Decimal(match.group(1)), match.group(2) or ""
+    if suffix in _BINARY:
+        value = number * (1 << (10 * _BINARY[suffix]))
+    elif suffix in _DECIMAL:
+        value = number.scaleb(3 * _DECIMAL[suffix])
+    else:
+        value = number.scaleb(int(suffix[1:]))
+    if value < 0:
+        raise ValueError(f"a negative quantity: {text!r}")
+    return int(value.to_integral_value(rounding=decimal.ROUND_CEILING))
 
 
 def plan_claim(

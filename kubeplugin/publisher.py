@@ -5,6 +5,11 @@ and puts back what is missing.
 
 One round (`publish`) lists this driver's slices for this node, then creates what is
 missing, replaces what differs and deletes what is left over, each request bounded.
+"Differs" is judged against what this publisher last wrote, by the resourceVersion the
+API server answered it with: the API server stores a slice in its own form (empty maps
+dropped, quantities rewritten, fields of gates that are off left out), so comparing its
+form with ours would replace every slice every round. A slice someone else wrote (its
+resourceVersion moved) is compared as it is, and replaced where it differs.
 The pool's generation goes up whenever the devices change, in every slice of the pool,
 and always above what the API server already holds (a restarted daemon's first round).
 """
@@ -55,6 +60,8 @@ class SlicePublisher:
         self.generation = 0
         # When each device's taint (by its health) was first seen: kept across rounds.
         self._tainted: dict[tuple[str, str], str] = {}
+        # By slice name: the spec last written and the resourceVersion it was stored as.
+        self._written: dict[str, tuple[dict[str, Any], str]] = {}
 
     async def publish(self) -> int:
         """One round; returns how many requests changed something. PublishError if the
@@ -79,17 +86,28 @@ class SlicePublisher:
             changed = 0
             for name, slice_ in wanted.items():
                 have = held.pop(name, None)
+                spec = slice_["spec"]
                 if have is None:
-                    await self._bounded(self._client.create(ResourceSlice.from_dict(slice_)))
-                elif have["spec"] != slice_["spec"]:
-                    slice_["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
-                    await self._bounded(self._client.replace(ResourceSlice.from_dict(slice_)))
+                    stored = await self._bounded(
+                        self._client.create(ResourceSlice.from_dict(slice_))
+                    )
                 else:
-                    continue
+                    version = have["metadata"]["resourceVersion"]
+                    if have["spec"] == spec or self._written.get(name) == (spec, version):
+                        self._written[name] = (spec, version)
+                        continue
+                    slice_["metadata"]["resourceVersion"] = version
+                    stored = await self._bounded(
+                        self._client.replace(ResourceSlice.from_dict(slice_))
+                    )
+                self._written[name] = (spec, stored.metadata.resourceVersion)
                 changed += 1
             for name in held:
                 await self._bounded(self._client.delete(ResourceSlice, name))
+                self._written.pop(name, None)
                 changed += 1
+            for name in set(self._written) - set(wanted):
+                del self._written[name]
         except trio.TooSlowError:
             raise PublishError(f"the API server did not answer in {REQUEST_SECONDS:g} s") from None
         except ApiError as exc:
@@ -110,6 +128,6 @@ class SlicePublisher:
         fields: dict[str, Any] = {"spec.nodeName": self._node, "spec.driver": self._driver}
         return [s.to_dict() async for s in self._client.list(ResourceSlice, fields=fields)]
 
-    async def _bounded(self, request: Any) -> None:
+    async def _bounded(self, request: Any) -> Any:
         with trio.fail_after(REQUEST_SECONDS):
-            await request
+            return await request

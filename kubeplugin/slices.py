@@ -9,6 +9,7 @@ taint: `NoSchedule` while it is unhealthy, `NoExecute` once it is lost.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,14 @@ from typing import Any, Literal
 
 from kubeplugin.sockets import DRIVER_NAME
 
-__all__ = ["HEALTH_TAINT", "OfferedDevice", "SliceError", "Version", "resource_slices"]
+__all__ = [
+    "HEALTH_TAINT",
+    "OfferedDevice",
+    "SliceError",
+    "Version",
+    "resource_slices",
+    "slice_name",
+]
 
 HEALTH_TAINT = f"{DRIVER_NAME}/health"
 # A slice holds at most 128 devices, 64 once any of them has a taint.
@@ -25,6 +33,7 @@ _MAX_TAINTED = 64
 # Attributes and capacities together, per device.
 _MAX_FIELDS = 32
 _GIB = 1 << 30
+_MAX_NAME = 253  # an object name: a DNS subdomain
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -90,6 +99,17 @@ def _device(offered: OfferedDevice, added_at: str) -> dict[str, Any]:
     return device
 
 
+def slice_name(node: str, driver: str, index: int) -> str:
+    """`<node>-<driver>-<index>`, a DNS subdomain of at most 253 characters: a node name
+    too long for it is cut, and a digest of it keeps two such nodes apart."""
+    tail = f"-{driver}-{index}"
+    if len(node) + len(tail) <= _MAX_NAME:
+        return f"{node}{tail}"
+    digest = hashlib.sha256(node.encode()).hexdigest()[:10]
+    cut = node[: _MAX_NAME - len(tail) - len(digest) - 1].rstrip(".-")
+    return f"{cut}-{digest}{tail}"
+
+
 def resource_slices(
     node: str,
     devices: Sequence[OfferedDevice],
@@ -115,7 +135,7 @@ def resource_slices(
         {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceSlice",
-            "metadata": {"name": f"{node}-{driver}-{index}"},
+            "metadata": {"name": slice_name(node, driver, index)},
             "spec": {
                 "driver": driver,
                 "nodeName": node,

@@ -37,10 +37,13 @@ class FakeApiServer:
         # ResourceClaims by (namespace, name), served read-only.
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
+        # What the API server makes of an object it stores (its own form of it).
+        self.normalize: Callable[[dict[str, Any]], dict[str, Any]] = lambda obj: obj
         self._version = 0
         self.url = ""
 
     def _stored(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = self.normalize(obj)
         self._version += 1
         obj["metadata"]["resourceVersion"] = str(self._version)
         self.slices[obj["metadata"]["name"]] = obj

@@ -34,6 +34,13 @@ def claim_doc(**status: Any) -> dict[str, Any]:
     }
 
 
+RESULT = {
+    "request": "vram",
+    "driver": "lanes.litegraph.dev",
+    "pool": "node-a",
+    "device": "gpu-0-shared",
+    "shareID": "5b7e1c2a-0d4f-4a9b-8c3e-7f1a2b3c4d5e",
+}
 ALLOCATED = {
     "allocation": {
         "devices": {
@@ -116,3 +123,25 @@ async def test_a_claim_is_read_through_the_api_server_or_refused_with_a_reason()
         assert unreachable.value.reason == "claim_unreadable"
     finally:
         await closed.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [
+        ("20Gi", 20 << 30), ("1.5Gi", 3 << 29), ("1500M", 1_500_000_000), ("1e9", 10**9),
+        ("1E3", 1000), ("2Ti", 2 << 40), ("1Pi", 1 << 50), ("1Ei", 1 << 60), ("3E", 3 * 10**18),
+        ("1073741824", 1 << 30), ("0.5", 1), (".5Ki", 512),
+    ],
+)  # fmt: skip
+def test_every_form_the_api_server_writes_a_quantity_in_is_read(text: str, count: int) -> None:
+    memory = {**RESULT, "consumedCapacity": {"memory": text}}
+    plan = plan_claim(REF, claim_doc(allocation={"devices": {"results": [memory]}}), node="node-a")
+    assert plan.devices[0].memory_bytes == count
+
+
+@pytest.mark.parametrize("text", ["abc", "-1Gi", "1Gb", "", "1.2.3Gi"])
+def test_a_quantity_that_is_none_is_a_malformed_claim(text: str) -> None:
+    memory = {**RESULT, "consumedCapacity": {"memory": text}}
+    with pytest.raises(ClaimRefused) as refused:
+        plan_claim(REF, claim_doc(allocation={"devices": {"results": [memory]}}), node="node-a")
+    assert refused.value.reason == "claim_malformed"

@@ -5,6 +5,9 @@ error when the API server cannot be reached."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import trio
 
 from kubeplugin.publisher import PublishError, SlicePublisher
@@ -93,5 +96,36 @@ async def test_a_taint_keeps_the_time_it_was_first_seen() -> None:
             await publisher.publish()
             (held,) = api.slices.values()
             assert held["spec"]["devices"][0]["taints"][0]["timeAdded"] == "2026-12-02T12:05:00Z"
+        finally:
+            await client.close()
+
+
+def _as_the_api_server_stores(obj: dict[str, Any]) -> dict[str, Any]:
+    """Empty maps dropped and quantities in their canonical form, as a real one does."""
+    stored = copy.deepcopy(obj)
+    for device in stored["spec"]["devices"]:
+        if not device.get("attributes"):
+            device.pop("attributes", None)
+        memory = device["capacity"]["memory"]
+        memory["value"] = f"{int(memory['value']) >> 30}Gi"
+    return stored
+
+
+async def test_slices_the_api_server_stores_in_its_own_form_are_not_replaced_each_round() -> None:
+    async with fake_api_server() as api:
+        api.normalize = _as_the_api_server_stores
+        client = client_for(api.url)
+        try:
+            publisher = SlicePublisher(client, "node-a", lambda: _devices(2), now=lambda: WHEN)
+            assert await publisher.publish() == 1
+            for _ in range(3):
+                assert await publisher.publish() == 0
+            assert [m for m, _path in api.requests].count("PUT") == 0
+            # Someone else's write is put right.
+            (stored,) = api.slices.values()
+            stored["spec"]["devices"] = stored["spec"]["devices"][:1]
+            stored["metadata"]["resourceVersion"] = "999"
+            assert await publisher.publish() == 1
+            assert len(next(iter(api.slices.values()))["spec"]["devices"]) == 2
         finally:
             await client.close()

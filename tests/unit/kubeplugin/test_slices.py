@@ -4,12 +4,21 @@ health say."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
-from kubeplugin.slices import HEALTH_TAINT, OfferedDevice, SliceError, Version, resource_slices
+from kubeplugin.slices import (
+    HEALTH_TAINT,
+    OfferedDevice,
+    SliceError,
+    Version,
+    resource_slices,
+    slice_name,
+)
+from kubeplugin.sockets import DRIVER_NAME
 
 GIB = 1 << 30
 WHEN = "2026-12-02T12:00:00Z"
@@ -95,3 +104,16 @@ def test_devices_the_api_server_would_refuse_are_refused_here() -> None:
     crowded = OfferedDevice("gpu-0", GIB, attributes={f"a{i}": i for i in range(32)})
     with pytest.raises(SliceError, match="attributes"):
         resource_slices("n", [crowded], generation=1, added_at=WHEN)
+
+
+def test_a_long_node_name_still_names_its_slices_apart_within_253_characters() -> None:
+    long_a = ".".join(["a" * 60] * 4)  # 243 characters, a valid node name
+    long_b = long_a[:-1] + "b"
+    names = {slice_name(node, DRIVER_NAME, 0) for node in (long_a, long_b)}
+    assert len(names) == 2
+    for name in names:
+        assert len(name) <= 253
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name), name
+    (built,) = resource_slices(long_a, [], generation=1, added_at="")
+    _valid([built], ("1.34", "1.35", "1.36", "1.37"))
+    assert slice_name("node-a", DRIVER_NAME, 1) == "node-a-lanes.litegraph.dev-1"
