@@ -62,6 +62,8 @@ class SlicePublisher:
         self._tainted: dict[tuple[str, str], str] = {}
         # By slice name: the spec last written and the resourceVersion it was stored as.
         self._written: dict[str, tuple[dict[str, Any], str]] = {}
+        # The API server dropped what a shared device needs (an older Kubernetes).
+        self.sharing_refused = False
 
     async def publish(self) -> int:
         """One round; returns how many requests changed something. PublishError if the
@@ -101,6 +103,7 @@ class SlicePublisher:
                         self._client.replace(ResourceSlice.from_dict(slice_))
                     )
                 self._written[name] = (spec, stored.metadata.resourceVersion)
+                self._check_kept(spec, stored.to_dict().get("spec", {}))
                 changed += 1
             for name in held:
                 await self._bounded(self._client.delete(ResourceSlice, name))
@@ -116,6 +119,24 @@ class SlicePublisher:
             raise PublishError(f"the API server is unreachable: {exc!r}") from exc
         self._published = devices
         return changed
+
+    def _check_kept(self, sent: dict[str, Any], stored: dict[str, Any]) -> None:
+        """Say so, once, where the API server dropped what sharing a GPU needs (below
+        1.36, or with DRAConsumableCapacity off): it would give the device whole."""
+        kept = {d["name"] for d in stored.get("devices", []) if d.get("allowMultipleAllocations")}
+        lost = [
+            d["name"]
+            for d in sent.get("devices", [])
+            if d.get("allowMultipleAllocations") and d["name"] not in kept
+        ]
+        if lost and not self.sharing_refused:
+            log.error(
+                "the API server dropped allowMultipleAllocations of %s: sharing a GPU's "
+                "VRAM needs Kubernetes 1.36 or later (DRAConsumableCapacity); claims "
+                "given such a device whole are refused at Prepare",
+                ", ".join(lost),
+            )
+        self.sharing_refused = bool(lost)
 
     def _taint_times(self, devices: Sequence[OfferedDevice]) -> dict[str, str]:
         now = self._now()

@@ -88,7 +88,7 @@ class KubeDriver:
         try:
             grants = [hold_grant(device, ledger, self._shared) for device in plan.devices]
         except KubeLaneError as exc:
-            raise ClaimRefused("device_unknown", str(exc)) from None
+            raise ClaimRefused(exc.reason, str(exc)) from None
         try:
             hold, new = await self._sup.holds.hold(plan.claim.uid, grants)
         except HoldRefused as refused:

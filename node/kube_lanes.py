@@ -30,7 +30,11 @@ SHARE_ALL = "all"
 
 
 class KubeLaneError(ValueError):
-    """A device name that names no lane of this node, or the wrong kind of one."""
+    """A device this node cannot hold for a claim; `reason` is the claim's error code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 def shares(lane: Lane, shared_gpus: Collection[str]) -> bool:
@@ -128,9 +132,13 @@ def hold_grant(device: AllocatedDevice, ledger: Ledger, shared_gpus: Collection[
     kind, _, hexid = device.device.partition("-")
     lane = ledger.lane(_LANE_PREFIX + hexid)
     if lane is None or not lane.is_gpu or _kind(lane, shared_gpus) != kind:
-        raise KubeLaneError(f"device {device.device}: no such device on this node")
+        raise KubeLaneError("device_unknown", f"device {device.device}: not one of this node's")
     if kind != "vram":
         return HoldGrant(lane_id=lane.lane_id)
     if not device.memory_bytes:
-        raise KubeLaneError(f"device {device.device}: a shared device's allocation names no memory")
+        raise KubeLaneError(
+            "vram_unsized",
+            f"device {device.device}: the allocation names no memory (a shared GPU's VRAM "
+            "is given in parts, which needs Kubernetes 1.36 or later: DRAConsumableCapacity)",
+        )
     return HoldGrant(lane_id=lane.lane_id, vram_bytes=device.memory_bytes, whole=False)

@@ -338,7 +338,7 @@ async def test_claims_the_node_cannot_hold_are_refused_each_with_its_reason(
                 assert sorted(held_one) == ["", "lane_held"]
                 assert errors[mig_uid] == "lane_unhealthy"
                 assert errors[stranger] == "device_unknown"
-                assert errors[vram_uid] == "device_unknown"
+                assert errors[vram_uid] == "vram_unsized"
                 # kubelet's health stream says so too, for the pods' status.
                 async with health_stream(service, 1) as received:
                     with trio.fail_after(20):

@@ -6,8 +6,10 @@ error when the API server cannot be reached."""
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
+import pytest
 import trio
 
 from kubeplugin.publisher import PublishError, SlicePublisher
@@ -127,5 +129,34 @@ async def test_slices_the_api_server_stores_in_its_own_form_are_not_replaced_eac
             stored["metadata"]["resourceVersion"] = "999"
             assert await publisher.publish() == 1
             assert len(next(iter(api.slices.values()))["spec"]["devices"]) == 2
+        finally:
+            await client.close()
+
+
+async def test_an_api_server_that_drops_sharing_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def without_sharing(obj: dict[str, Any]) -> dict[str, Any]:
+        stored = copy.deepcopy(obj)  # a 1.35 API server without DRAConsumableCapacity
+        for device in stored["spec"]["devices"]:
+            device.pop("allowMultipleAllocations", None)
+            device["capacity"]["memory"].pop("requestPolicy", None)
+        return stored
+
+    shared = [OfferedDevice("vram-0", 80 * GIB, shared=True)]
+    async with fake_api_server() as api:
+        api.normalize = without_sharing
+        client = client_for(api.url)
+        try:
+            publisher = SlicePublisher(client, "node-a", lambda: shared, now=lambda: WHEN)
+            with caplog.at_level(logging.ERROR, logger="kubeplugin.publisher"):
+                assert await publisher.publish() == 1
+                assert await publisher.publish() == 0
+            assert publisher.sharing_refused
+            (said,) = [r.getMessage() for r in caplog.records]
+            assert "vram-0" in said and "1.36" in said
+            api.normalize = lambda obj: obj
+            api.slices.clear()
+            assert await publisher.publish() == 1 and not publisher.sharing_refused
         finally:
             await client.close()
