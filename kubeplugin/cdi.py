@@ -2,7 +2,8 @@
 edit mounts the claim's own folder (its token file and the node's socket for it) in
 the container, and names its lanes. Mediated: no device node, and never the token
 itself (neither in the spec nor in an environment variable, only the path of the file
-that holds it).
+that holds it). Passed through (`kubeplugin.claim_config`): its devices' nodes too, and
+CUDA_VISIBLE_DEVICES naming them.
 
 The spec lives in the runtime's dynamic CDI folder, a tmpfs a reboot empties: kubelet
 calls Prepare again then, and writing the spec again is how it comes back.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "CLAIM_MOUNT",
     "SOCKET_NAME",
     "CdiError",
+    "Passthrough",
     "claim_device_id",
     "claim_spec",
     "remove_claim_spec",
@@ -64,8 +67,22 @@ def spec_path(claim_uid: str, *, cdi_dir: Path = CDI_DIR, driver: str = DRIVER_N
     return cdi_dir / f"{driver}-{_CLASS}_{_checked(claim_uid)}.json"
 
 
+@dataclass(frozen=True)
+class Passthrough:
+    """What a passed-through claim's containers get besides: device nodes (the path in
+    the container, the node on the host) and the uuids CUDA_VISIBLE_DEVICES names."""
+
+    nodes: tuple[tuple[str, str], ...] = ()
+    visible: tuple[str, ...] = ()
+
+
 def claim_spec(
-    claim_uid: str, claim_dir: Path, lane_ids: Sequence[str], *, driver: str = DRIVER_NAME
+    claim_uid: str,
+    claim_dir: Path,
+    lane_ids: Sequence[str],
+    *,
+    passthrough: Passthrough = Passthrough(),
+    driver: str = DRIVER_NAME,
 ) -> dict[str, Any]:
     mount = {
         "hostPath": str(claim_dir),
@@ -80,12 +97,17 @@ def claim_spec(
         f"LITEGRAPH_CAPABILITY_TOKEN_FILE={CLAIM_MOUNT}/{TOKEN_NAME}",
         f"LITEGRAPH_NODE_SOCKET={CLAIM_MOUNT}/{SOCKET_NAME}",
     ]
+    edits: dict[str, Any] = {"env": env, "mounts": [mount]}
+    if passthrough.visible:
+        env.append(f"CUDA_VISIBLE_DEVICES={','.join(passthrough.visible)}")
+    if passthrough.nodes:
+        edits["deviceNodes"] = [
+            {"path": inside, "hostPath": host} for inside, host in passthrough.nodes
+        ]
     return {
         "cdiVersion": CDI_VERSION,
         "kind": f"{driver}/{_CLASS}",
-        "devices": [
-            {"name": _checked(claim_uid), "containerEdits": {"env": env, "mounts": [mount]}}
-        ],
+        "devices": [{"name": _checked(claim_uid), "containerEdits": edits}],
     }
 
 
@@ -94,6 +116,7 @@ def write_claim_spec(
     claim_dir: Path,
     lane_ids: Sequence[str],
     *,
+    passthrough: Passthrough = Passthrough(),
     cdi_dir: Path = CDI_DIR,
     driver: str = DRIVER_NAME,
 ) -> Path:
@@ -101,7 +124,7 @@ def write_claim_spec(
     path."""
     target = spec_path(claim_uid, cdi_dir=cdi_dir, driver=driver)
     cdi_dir.mkdir(parents=True, exist_ok=True)
-    spec = claim_spec(claim_uid, claim_dir, lane_ids, driver=driver)
+    spec = claim_spec(claim_uid, claim_dir, lane_ids, passthrough=passthrough, driver=driver)
     write_whole(target, json.dumps(spec, indent=2).encode(), 0o644)
     return target
 

@@ -8,6 +8,7 @@ driver's on this node's pool. Results of other drivers are theirs to prepare.
 
 from __future__ import annotations
 
+import dataclasses
 import decimal
 import re
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.resource_v1 import ResourceClaim
 
+from kubeplugin.claim_config import ConfigRefused, passthrough_requests
 from kubeplugin.server import ClaimRef
 from kubeplugin.sockets import DRIVER_NAME
 
@@ -52,6 +54,8 @@ class AllocatedDevice:
     device: str
     share_id: str | None = None
     memory_bytes: int | None = None
+    # Its device nodes in the pods' containers (`kubeplugin.claim_config`).
+    passthrough: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,11 @@ def plan_claim(
             raise ClaimRefused("claim_malformed", f"an allocation result: {exc!r}") from None
     if not devices:
         raise ClaimRefused("claim_not_ours", f"no device of {driver} is allocated to it")
+    try:
+        through = passthrough_requests(allocation, frozenset(d.request for d in devices), driver)
+    except ConfigRefused as refused:
+        raise ClaimRefused(refused.reason, str(refused)) from None
+    devices = [dataclasses.replace(d, passthrough=d.request in through) for d in devices]
     pods = tuple(
         consumer["uid"]
         for consumer in status.get("reservedFor", [])

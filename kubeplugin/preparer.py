@@ -21,13 +21,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 from lightkube import AsyncClient
 
-from kubeplugin.cdi import CDI_DIR, CdiError, claim_device_id, remove_claim_spec, write_claim_spec
+from kubeplugin.cdi import (
+    CDI_DIR,
+    CdiError,
+    Passthrough,
+    claim_device_id,
+    remove_claim_spec,
+    write_claim_spec,
+)
 from kubeplugin.claims import ClaimPlan, ClaimRefused, plan_claim, read_claim
 from kubeplugin.files import claim_folder, remove_folder, write_tokens
 from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice
@@ -49,6 +56,7 @@ class Granted:
     lane_ids: tuple[str, ...]
     tokens: tuple[str, ...]
     new: bool
+    passthrough: Passthrough = field(default_factory=Passthrough)
 
 
 class ClaimPreparer:
@@ -116,7 +124,12 @@ class ClaimPreparer:
             folder = self.folder(claim.uid)
             write_tokens(folder, granted.tokens)
             write_claim_spec(
-                claim.uid, folder, granted.lane_ids, cdi_dir=self._cdi_dir, driver=self._driver
+                claim.uid,
+                folder,
+                granted.lane_ids,
+                passthrough=granted.passthrough,
+                cdi_dir=self._cdi_dir,
+                driver=self._driver,
             )
         except OSError as exc:
             log.error("claim %s: not prepared: %s", claim.uid, exc)

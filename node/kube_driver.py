@@ -34,7 +34,13 @@ from kubeplugin.server import serve_plugin
 from kubeplugin.slices import OfferedDevice
 from kubeplugin.sockets import DRIVER_NAME, PluginSockets
 from node.config import Config
-from node.kube_lanes import KubeLaneError, device_health, hold_grant, offered_devices
+from node.kube_lanes import (
+    KubeLaneError,
+    device_health,
+    hold_grant,
+    offered_devices,
+    passthrough_of,
+)
 from supervisor.core import Supervisor
 from supervisor.hold import Hold
 from supervisor.standing_holds import HoldRefused
@@ -60,8 +66,10 @@ class KubeDriver:
         *,
         claims_dir: Path,
         shared_gpus: Collection[str],
+        dev_root: Path = Path("/dev"),
     ) -> None:
         self._sup = supervisor
+        self._dev_root = dev_root
         self._sockets = sockets
         self._claims_dir = claims_dir
         self._shared = shared_gpus
@@ -87,6 +95,9 @@ class KubeDriver:
         ledger = self._sup.machine.ledger
         try:
             grants = [hold_grant(device, ledger, self._shared) for device in plan.devices]
+            through = passthrough_of(
+                plan.devices, grants, ledger, self._sup.machine.inventory, self._dev_root
+            )
         except KubeLaneError as exc:
             raise ClaimRefused(exc.reason, str(exc)) from None
         try:
@@ -103,6 +114,7 @@ class KubeDriver:
             lane_ids=hold.lane_ids,
             tokens=tuple(hold.tokens[lane] for lane in hold.lane_ids),
             new=new,
+            passthrough=through,
         )
 
     async def release(self, claim_uid: str) -> None:
@@ -164,6 +176,7 @@ async def run_kube_driver(
                 HoldSockets(app, http, nursery, plugins / DRIVER_NAME / ".sockets"),
                 claims_dir=claims_dir,
                 shared_gpus=config.kube_shared_gpus,
+                dev_root=Path(config.dev_root),
             )
             driver.restore()
             preparer = ClaimPreparer(

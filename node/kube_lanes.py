@@ -7,23 +7,35 @@ a device name names its lane and nothing a pod could enumerate. The CPU pool is
 not offered. Attributes: `type` (gpu, mig, vram), the device's uuid, product,
 compute capability, driver version and PCI bus id, and for a MIG instance its
 profile and parent GPU. Health as the ledger shows it: a lost device is `lost`,
-any other not allocatable one `unhealthy`.
+any other not allocatable one `unhealthy`. A whole GPU or a MIG instance a DeviceClass
+passes through (`kubeplugin.claim_config`) brings its device nodes, as a guest's
+`/dev` holds them (`machine.devnodes`); a shared GPU's VRAM is never passed through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from pathlib import Path
 
+from kubeplugin.cdi import Passthrough
 from kubeplugin.claims import AllocatedDevice
 from kubeplugin.health import DeviceHealthReading
 from kubeplugin.slices import OfferedDevice, Version
+from machine.devnodes import lane_device_nodes
 from machine.health import ALLOCATABLE_STATES, HealthState
 from machine.inventory import GpuDevice, Inventory
 from machine.lanes import Lane, LaneKind
 from machine.ledger import Ledger
 from supervisor.hold import HoldGrant
 
-__all__ = ["KubeLaneError", "device_health", "hold_grant", "offered_devices", "shares"]
+__all__ = [
+    "KubeLaneError",
+    "device_health",
+    "hold_grant",
+    "offered_devices",
+    "passthrough_of",
+    "shares",
+]
 
 _LANE_PREFIX = "lane_"
 SHARE_ALL = "all"
@@ -112,6 +124,34 @@ def offered_devices(
     return offered
 
 
+def passthrough_of(
+    devices: Sequence[AllocatedDevice],
+    grants: Sequence[HoldGrant],
+    ledger: Ledger,
+    inventory: Inventory,
+    dev_root: Path,
+) -> Passthrough:
+    """The device nodes (in the container, on the host) and uuids of the devices a
+    claim has passed through; KubeLaneError where a lane's nodes cannot be had."""
+    nodes: list[tuple[str, str]] = []
+    visible: list[str] = []
+    for device, grant in zip(devices, grants, strict=True):
+        if not device.passthrough:
+            continue
+        lane = ledger.lane(grant.lane_id)
+        found = () if lane is None else lane_device_nodes(inventory, lane, dev_root)
+        if lane is None or not found or lane.visible_uuid is None:
+            raise KubeLaneError(
+                "passthrough_unavailable", f"device {device.device}: its device nodes are not here"
+            )
+        for host in found:
+            inside = f"/dev/{host.relative_to(dev_root)}"
+            if (inside, str(host)) not in nodes:
+                nodes.append((inside, str(host)))
+        visible.append(lane.visible_uuid)
+    return Passthrough(nodes=tuple(nodes), visible=tuple(visible))
+
+
 def device_health(ledger: Ledger, shared_gpus: Collection[str]) -> list[DeviceHealthReading]:
     """Each offered device's health for kubelet's health stream, with why it is not
     healthy (the lane's own fault, or its device's health)."""
@@ -135,6 +175,12 @@ def hold_grant(device: AllocatedDevice, ledger: Ledger, shared_gpus: Collection[
         raise KubeLaneError("device_unknown", f"device {device.device}: not one of this node's")
     if kind != "vram":
         return HoldGrant(lane_id=lane.lane_id)
+    if device.passthrough:
+        raise KubeLaneError(
+            "passthrough_unsupported",
+            f"device {device.device}: a part of a shared GPU is served through its lane "
+            "host alone, never passed through",
+        )
     if not device.memory_bytes:
         raise KubeLaneError(
             "vram_unsized",

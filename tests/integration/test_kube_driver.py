@@ -45,6 +45,7 @@ from tests.kube_fixtures import (
     health_stream,
     kubelet,
 )
+from tests.unit.kubeplugin.test_cdi_schema import VALIDATOR as CDI_VALIDATOR
 
 NODE = "node-a"
 WHOLE, SHARED, MIGGED = (f"GPU-5e1d0a3c-0000-4000-8000-5157a000000{i}" for i in (1, 2, 3))
@@ -117,7 +118,7 @@ def kubelet_root() -> Iterator[pathlib.Path]:
 
 @contextlib.asynccontextmanager
 async def kube_node(
-    tmp_path: pathlib.Path, root: pathlib.Path, api: FakeApiServer
+    tmp_path: pathlib.Path, root: pathlib.Path, api: FakeApiServer, *more: str
 ) -> AsyncIterator[RunningDaemon]:
     sim = tmp_path / "sim.toml"
     sim.write_text(SIM)
@@ -128,7 +129,7 @@ async def kube_node(
     argv = (
         "--sim-file", str(sim), "--kubelet-plugin", "--kube-node-name", NODE,
         "--kubelet-dir", str(root), "--cdi-dir", str(root / "cdi"),
-        "--kube-shared-gpus", json.dumps([SHARED]),
+        "--kube-shared-gpus", json.dumps([SHARED]), *more,
     )  # fmt: skip
     async with running_daemon(tmp_path, *argv, prepare=with_client) as node:
         yield node
@@ -145,11 +146,19 @@ async def published(api: FakeApiServer) -> list[dict[str, Any]]:
     return [d for s in api.slices.values() for d in s["spec"]["devices"]]
 
 
+def cdi_spec(root: pathlib.Path, uid: str) -> dict[str, Any]:
+    """The claim's CDI spec, which the CDI specification's JSON Schema takes."""
+    spec: dict[str, Any] = json.loads(
+        (root / "cdi" / f"{DRIVER_NAME}-claim_{uid}.json").read_text()
+    )
+    assert list(CDI_VALIDATOR.iter_errors(spec)) == []
+    return spec
+
+
 def pod_env(root: pathlib.Path, uid: str) -> dict[str, str]:
     """The environment the claim's CDI spec gives its containers, with the claim's folder
     where the container would see it mounted (no container here: its host path)."""
-    spec = json.loads((root / "cdi" / f"{DRIVER_NAME}-claim_{uid}.json").read_text())
-    (device,) = spec["devices"]
+    (device,) = cdi_spec(root, uid)["devices"]
     (mount,) = device["containerEdits"]["mounts"]
     env = dict(item.split("=", 1) for item in device["containerEdits"]["env"])
     return {k: v.replace(CLAIM_MOUNT, mount["hostPath"]) for k, v in env.items()}
@@ -351,3 +360,56 @@ async def test_claims_the_node_cannot_hold_are_refused_each_with_its_reason(
                 # Only the one claim that was given its GPU holds anything.
                 assert len(standing(node)) == 1 and len(sup.holds.holds) == 1
                 assert len(list((root / "cdi").iterdir())) == 1
+
+
+def passthrough_config(source: str) -> list[dict[str, Any]]:
+    opaque = {"driver": DRIVER_NAME, "parameters": {"passthrough": True}}
+    return [{"source": source, "requests": ["lane"], "opaque": opaque}]
+
+
+async def test_a_device_class_that_passes_a_gpu_through_gives_its_nodes_and_no_one_else_can(
+    tmp_path: pathlib.Path,
+) -> None:
+    dev = tmp_path / "dev"  # stand-ins for the host's device nodes
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+        (dev / name).touch()
+    whole_uid, whole_device, _ = CLAIMS["whole"]
+    vram_uid, vram_device, _ = CLAIMS["vram"]
+    mig_uid, mig_device, _ = CLAIMS["mig"]
+    with kubelet_root() as root:
+        async with fake_api_server() as api:
+            docs = {
+                "whole": (claim_doc(whole_uid, "whole", whole_device, None), "FromClass"),
+                "vram": (claim_doc(vram_uid, "vram", vram_device, "1Gi"), "FromClass"),
+                # A claim's own config cannot grant its writer the device.
+                "mig": (claim_doc(mig_uid, "mig", mig_device, None), "FromClaim"),
+            }
+            for name, (doc, source) in docs.items():
+                doc["status"]["allocation"]["devices"]["config"] = passthrough_config(source)
+                api.claims[("team-a", name)] = doc
+            service = root / "plugins" / DRIVER_NAME / "dra.sock"
+            async with kube_node(tmp_path, root, api, "--dev-root", str(dev)) as node:
+                await published(api)
+                ask = dra_pb2.NodePrepareResourcesRequest(claims=_claims("whole", "vram", "mig"))
+                stub = dra_pb2_grpc.DRAPluginStub
+                answers = (await kubelet(service, stub, "NodePrepareResources", ask)).claims
+                errors = {uid: a.error.split(":")[0] for uid, a in answers.items()}
+                assert errors == {
+                    whole_uid: "",
+                    vram_uid: "passthrough_unsupported",
+                    mig_uid: "passthrough_not_allowed",
+                }
+                assert len(standing(node)) == 1
+                spec = json.loads(
+                    (root / "cdi" / f"{DRIVER_NAME}-claim_{whole_uid}.json").read_text()
+                )
+                assert CDI_VALIDATOR.is_valid(spec)
+                (device,) = spec["devices"]
+                nodes = {n["path"]: n["hostPath"] for n in device["containerEdits"]["deviceNodes"]}
+                assert nodes == {
+                    f"/dev/{name}": str(dev / name)
+                    for name in ("nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+                }  # its own GPU's node and the driver's, no other GPU's
+                assert f"CUDA_VISIBLE_DEVICES={WHOLE}" in device["containerEdits"]["env"]
+                check_pod_files(pod_env(root, whole_uid))  # and its token, as ever

@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kubeplugin.claim_config import passthrough_requests
 from kubeplugin.sockets import DRIVER_NAME
 from machine.sim_spec import load_sim_spec
 from tests.unit.test_deploy import daemonset, daemonset_config
@@ -24,7 +25,9 @@ def _documents(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
 
 
-@pytest.mark.parametrize("manifest", ["daemonset.yaml", "dra-driver.yaml"])
+@pytest.mark.parametrize(
+    "manifest", ["daemonset.yaml", "dra-driver.yaml", "passthrough-class.yaml"]
+)
 def test_every_manifest_is_one_each_supported_kubernetes_takes(manifest: str) -> None:
     for document in _documents(manifest):
         for version in VERSIONS:
@@ -142,3 +145,13 @@ def test_the_kind_walk_throughs_node_simulates_a_whole_a_shared_and_a_mig_gpu() 
     whole = [g.uuid for g in sim.gpus if not g.mig_enabled]
     assert config.kube_shared_gpus == (whole[1],)  # one whole GPU, one shared
     assert [len(g.mig) for g in sim.gpus if g.mig_enabled] == [2]
+
+
+def test_the_passthrough_class_asks_for_what_the_driver_passes_through() -> None:
+    (found,) = _documents("passthrough-class.yaml")
+    # The allocation carries a class's config as FromClass, for every request.
+    config = [{"source": "FromClass", **entry} for entry in found["spec"]["config"]]
+    allocation = {"devices": {"config": config}}
+    assert passthrough_requests(allocation, frozenset({"gpu"}), DRIVER_NAME) == {"gpu"}
+    selector = found["spec"]["selectors"][0]["cel"]["expression"]
+    assert '.type == "gpu"' in selector  # whole GPUs: a shared one is never passed through

@@ -145,3 +145,43 @@ def test_a_quantity_that_is_none_is_a_malformed_claim(text: str) -> None:
     with pytest.raises(ClaimRefused) as refused:
         plan_claim(REF, claim_doc(allocation={"devices": {"results": [memory]}}), node="node-a")
     assert refused.value.reason == "claim_malformed"
+
+
+def _configured(*config: dict[str, Any]) -> dict[str, Any]:
+    return claim_doc(allocation={"devices": {"results": [RESULT], "config": list(config)}})
+
+
+def _opaque(parameters: object, driver: str = "lanes.litegraph.dev") -> dict[str, Any]:
+    return {"driver": driver, "parameters": parameters}
+
+
+def test_only_a_device_class_may_pass_a_device_through() -> None:
+    plan = plan_claim(REF, claim_doc(allocation={"devices": {"results": [RESULT]}}), node="node-a")
+    assert not plan.devices[0].passthrough  # mediated by default
+    given = _configured({"source": "FromClass", "opaque": _opaque({"passthrough": True})})
+    assert plan_claim(REF, given, node="node-a").devices[0].passthrough
+    other = _configured(
+        {"source": "FromClass", "requests": ["nic"], "opaque": _opaque({"passthrough": True})}
+    )
+    assert not plan_claim(REF, other, node="node-a").devices[0].passthrough  # not its request
+    theirs = _configured({"source": "FromClass", "opaque": _opaque({"x": 1}, "nics.example.com")})
+    assert not plan_claim(REF, theirs, node="node-a").devices[0].passthrough
+
+
+@pytest.mark.parametrize(
+    ("entry", "reason"),
+    [
+        (
+            {"source": "FromClaim", "opaque": _opaque({"passthrough": True})},
+            "passthrough_not_allowed",
+        ),
+        ({"source": "FromClass", "opaque": _opaque({"passthrough": "yes"})}, "claim_malformed"),
+        ({"source": "FromClass", "opaque": _opaque({"devices": "all"})}, "claim_malformed"),
+    ],
+)
+def test_a_config_the_driver_cannot_take_refuses_the_claim(
+    entry: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(ClaimRefused) as refused:
+        plan_claim(REF, _configured(entry), node="node-a")
+    assert refused.value.reason == reason
