@@ -37,6 +37,8 @@ from kubeplugin.contracts import (
     dra_health_pb2_grpc,
     dra_pb2,
     dra_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
     registration_pb2,
     registration_pb2_grpc,
 )
@@ -62,7 +64,7 @@ CALL_SECONDS = 30.0
 _WORKERS = 4 + MAX_STREAMS
 # kubelet's plugin type for DRA drivers, and the node service version this plugin serves.
 _PLUGIN_TYPE = "DRAPlugin"
-_SUPPORTED = ("v1.DRAPlugin",)
+_SUPPORTED = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 # How often the registration socket is looked for: one deleted (kubelet's folder
 # cleaned, say) is served again, and kubelet registers the plugin anew.
 REGISTRATION_CHECK_SECONDS = 5.0
@@ -224,6 +226,24 @@ class _NodeService(dra_pb2_grpc.DRAPluginServicer):
         return reply
 
 
+class _NodeServiceV1beta1(dra_v1beta1_pb2_grpc.DRAPluginServicer):
+    """The same service for a 1.32 or 1.33 kubelet: v1beta1's messages are v1's, wire
+    for wire, so each call is carried over to v1 and its answer back."""
+
+    def __init__(self, node: _NodeService) -> None:
+        self._node = node
+
+    def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        asked = dra_pb2.NodePrepareResourcesRequest.FromString(request.SerializeToString())
+        answer = self._node.NodePrepareResources(asked, context)
+        return dra_v1beta1_pb2.NodePrepareResourcesResponse.FromString(answer.SerializeToString())
+
+    def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        asked = dra_pb2.NodeUnprepareResourcesRequest.FromString(request.SerializeToString())
+        answer = self._node.NodeUnprepareResources(asked, context)
+        return dra_v1beta1_pb2.NodeUnprepareResourcesResponse.FromString(answer.SerializeToString())
+
+
 def _remove_own_socket(path: Path) -> None:
     """A socket this plugin left (a crash): removed. Anything else there is refused."""
     try:
@@ -239,6 +259,9 @@ def _add_node_service(
     node: _NodeService, health: HealthService | None, server: grpc.Server
 ) -> None:
     dra_pb2_grpc.add_DRAPluginServicer_to_server(node, server)  # type: ignore[no-untyped-call]
+    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(  # type: ignore[no-untyped-call]
+        _NodeServiceV1beta1(node), server
+    )
     if health is not None:
         dra_health_pb2_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
             health, server

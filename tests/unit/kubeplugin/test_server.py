@@ -15,6 +15,8 @@ from kubeplugin.contracts import (
     dra_health_pb2,
     dra_pb2,
     dra_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
     registration_pb2,
     registration_pb2_grpc,
 )
@@ -64,7 +66,7 @@ async def test_kubelet_registers_the_plugin_then_prepares_each_claim_on_its_own(
         assert (info.type, info.name, info.endpoint) == (
             "DRAPlugin", DRIVER_NAME, str(sockets.service),
         )  # fmt: skip
-        assert list(info.supported_versions) == ["v1.DRAPlugin"]
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
         status = registration_pb2.RegistrationStatus(plugin_registered=True)
         await kubelet(sockets.registration, reg, "NotifyRegistrationStatus", status)
         assert (state.registered, state.notified) == (True, 1)
@@ -85,6 +87,22 @@ async def test_kubelet_registers_the_plugin_then_prepares_each_claim_on_its_own(
         undo = dra_pb2.NodeUnprepareResourcesRequest(claims=_claims("uid-ok", "uid-never"))
         undone = await kubelet(sockets.service, node, "NodeUnprepareResources", undo)
         assert {uid: e.error for uid, e in undone.claims.items()} == {"uid-ok": "", "uid-never": ""}
+        # A 1.33 kubelet calls the v1beta1 service, on the same socket, for the same answers.
+        old = dra_v1beta1_pb2_grpc.DRAPluginStub
+        asked = dra_v1beta1_pb2.NodePrepareResourcesRequest.FromString(
+            dra_pb2.NodePrepareResourcesRequest(
+                claims=_claims("uid-ok", "uid-bad")
+            ).SerializeToString()
+        )
+        beta = await kubelet(sockets.service, old, "NodePrepareResources", asked)
+        assert beta.SerializeToString(deterministic=True) == dra_pb2.NodePrepareResourcesResponse(
+            claims={"uid-ok": reply.claims["uid-ok"], "uid-bad": reply.claims["uid-bad"]}
+        ).SerializeToString(deterministic=True)
+        undo_beta = dra_v1beta1_pb2.NodeUnprepareResourcesRequest(
+            claims=[dra_v1beta1_pb2.Claim(namespace="ns", uid="uid-ok", name="claim-uid-ok")]
+        )
+        undone_beta = await kubelet(sockets.service, old, "NodeUnprepareResources", undo_beta)
+        assert undone_beta.claims["uid-ok"].error == ""
 
 
 async def test_a_prepare_past_its_bound_answers_each_claim_and_getinfo_stays_fast() -> None:
@@ -129,7 +147,9 @@ async def test_the_health_stream_says_every_device_at_once_then_each_change() ->
     async with plugin(Handler(), health=lambda: list(readings)) as (sockets, _state):
         reg = registration_pb2_grpc.RegistrationStub
         info = await kubelet(sockets.registration, reg, "GetInfo", registration_pb2.InfoRequest())
-        assert list(info.supported_versions) == ["v1.DRAPlugin", HEALTH_SERVICE]
+        assert list(info.supported_versions) == [
+            "v1.DRAPlugin", "v1beta1.DRAPlugin", HEALTH_SERVICE,
+        ]  # fmt: skip
         async with health_stream(sockets.service, 2) as received:
             with trio.fail_after(20):
                 first = await received.receive()
