@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 CDI_DIR = Path("/var/run/cdi")
-# The oldest CDI version with every field used here (a mount's type and options).
+# The oldest CDI version with every field used here: a device name that starts with a
+# digit (a claim's UID) and a device node's hostPath (passthrough) are 0.5.0's.
 CDI_VERSION = "0.5.0"
 # Where the claim's folder appears in its containers.
 CLAIM_MOUNT = "/run/litegraph"

@@ -62,7 +62,9 @@ class AllocatedDevice:
 class ClaimPlan:
     claim: ClaimRef
     devices: tuple[AllocatedDevice, ...]
-    # The pods the claim is reserved for: the only ones its token may serve.
+    # The pods the claim is reserved for, as the API server said at Prepare (logged):
+    # its tokens are bound to its own socket, which only its pods' containers mount,
+    # not to these uids (kubelet prepares a claim once for every pod that shares it).
     pod_uids: tuple[str, ...]
 
 

@@ -110,6 +110,15 @@ class KubeDriver:
             if new:
                 await self.release(plan.claim.uid)
             raise ClaimRefused("prepare_failed", f"no socket for the claim: {exc}") from None
+        if new:
+            log.info(
+                "claim %s/%s (%s) held for pods %s: lanes %s",
+                plan.claim.namespace,
+                plan.claim.name,
+                plan.claim.uid,
+                ", ".join(plan.pod_uids) or "none yet",
+                ", ".join(hold.lane_ids),
+            )
         return Granted(
             lane_ids=hold.lane_ids,
             tokens=tuple(hold.tokens[lane] for lane in hold.lane_ids),

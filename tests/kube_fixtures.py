@@ -37,6 +37,8 @@ class FakeApiServer:
         # ResourceClaims by (namespace, name), served read-only.
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
+        # Set: every connection is closed unanswered (an API server out of reach).
+        self.unreachable = False
         # What the API server makes of an object it stores (its own form of it).
         self.normalize: Callable[[dict[str, Any]], dict[str, Any]] = lambda obj: obj
         self._version = 0
@@ -94,6 +96,8 @@ class FakeApiServer:
     async def handle(self, stream: trio.SocketStream) -> None:
         data = b""
         async with stream:
+            if self.unreachable:
+                return
             while b"\r\n\r\n" not in data:
                 chunk = await stream.receive_some(65536)
                 if not chunk:

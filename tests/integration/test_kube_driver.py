@@ -291,6 +291,15 @@ async def test_three_lane_kinds_are_published_prepared_used_kept_and_unprepared(
                 for key, env in envs.items():
                     np.testing.assert_allclose(await pod_matmul(env), expected, rtol=1e-6), key
 
+                # A reboot empties the runtime's CDI folder; kubelet prepares again.
+                for spec_file in (root / "cdi").iterdir():
+                    spec_file.unlink()
+                ask = dra_pb2.NodePrepareResourcesRequest(claims=_claims("whole", "mig", "vram"))
+                again_answers = (await kubelet(service, stub, "NodePrepareResources", ask)).claims
+                assert again_answers == answers and len(list((root / "cdi").iterdir())) == 3
+                assert set(standing(node)) == set(held)  # nothing held twice
+                np.testing.assert_allclose(await pod_matmul(envs["vram"]), expected, rtol=1e-6)
+
                 # One claim is deleted already: Unprepare needs only what the node keeps.
                 del api.claims[("team-a", "mig")]
                 undo = dra_pb2.NodeUnprepareResourcesRequest(claims=_claims("whole", "mig", "vram"))
@@ -326,6 +335,12 @@ async def test_claims_the_node_cannot_hold_are_refused_each_with_its_reason(
             api.claims[("team-a", "stranger")] = claim_doc(stranger, "stranger", "gpu-0", None)
             # A shared device's allocation must say how much of it the claim took.
             api.claims[("team-a", "vram")] = claim_doc(vram_uid, "vram", vram_device, None)
+            bare = "3a1f0c2e-6666-4a5b-9c6d-0e1f2a3b4c06"  # not allocated yet
+            api.claims[("team-a", "bare")] = claim_doc(bare, "bare", whole_device, None)
+            del api.claims[("team-a", "bare")]["status"]["allocation"]
+            # kubelet names one claim, the API server holds another under that name.
+            named = "3a1f0c2e-7777-4a5b-9c6d-0e1f2a3b4c07"
+            api.claims[("team-a", "named")] = claim_doc(bare, "named", whole_device, None)
             service = root / "plugins" / DRIVER_NAME / "dra.sock"
             async with kube_node(tmp_path, root, api) as node:
                 await published(api)
@@ -336,7 +351,8 @@ async def test_claims_the_node_cannot_hold_are_refused_each_with_its_reason(
                     dra_pb2.Claim(namespace="team-a", uid=uid, name=name)
                     for name, uid in [
                         ("whole", whole_uid), ("twin", twin), ("mig", mig_uid),
-                        ("stranger", stranger), ("vram", vram_uid),
+                        ("stranger", stranger), ("vram", vram_uid), ("bare", bare),
+                        ("named", named),
                     ]
                 ]  # fmt: skip
                 ask = dra_pb2.NodePrepareResourcesRequest(claims=claims)
@@ -348,6 +364,8 @@ async def test_claims_the_node_cannot_hold_are_refused_each_with_its_reason(
                 assert errors[mig_uid] == "lane_unhealthy"
                 assert errors[stranger] == "device_unknown"
                 assert errors[vram_uid] == "vram_unsized"
+                assert errors[bare] == "claim_not_allocated"
+                assert errors[named] == "claim_uid_mismatch"
                 # kubelet's health stream says so too, for the pods' status.
                 async with health_stream(service, 1) as received:
                     with trio.fail_after(20):
@@ -360,6 +378,18 @@ async def test_claims_the_node_cannot_hold_are_refused_each_with_its_reason(
                 # Only the one claim that was given its GPU holds anything.
                 assert len(standing(node)) == 1 and len(sup.holds.holds) == 1
                 assert len(list((root / "cdi").iterdir())) == 1
+                claims_dir = root / "plugins" / DRIVER_NAME / "claims"
+                assert len(list(claims_dir.iterdir())) == 1
+                # The API server out of reach: a claim it cannot read is that claim's error.
+                api.unreachable = True
+                later = dra_pb2.NodePrepareResourcesRequest(
+                    claims=[dra_pb2.Claim(namespace="team-a", uid=mig_uid, name="mig")]
+                )
+                (gone,) = (
+                    await kubelet(service, stub, "NodePrepareResources", later)
+                ).claims.values()
+                assert gone.error.startswith("claim_unreadable")
+                assert len(standing(node)) == 1 and len(list(claims_dir.iterdir())) == 1
 
 
 def passthrough_config(source: str) -> list[dict[str, Any]]:
