@@ -77,23 +77,46 @@ _QUANTITY = re.compile(
 )
 
 
+_QUANTITY_CHARS = 64
+_MAX_EXPONENT = 30
+_MAX_BYTES = 2**63 - 1
+
+
 def _quantity(text: str) -> int:
     """A Kubernetes quantity of bytes (`20Gi`, `1.5Gi`, `1500M`, `1e9`, `1073741824`) as
     a whole number of bytes, a fraction rounded up as the API server does; ValueError
     for anything else or below 0."""
-    match = _QUANTITY.fullmatch(text.strip())
+    match = _QUANTITY.fullmatch(text.strip()) if len(text) <= _QUANTITY_CHARS else None
     if match is None:
-        raise ValueError(f"not a quantity: {text!r}")
+        raise ValueError(f"not a quantity: {text[:_QUANTITY_CHARS]!r}")
     number, suffix = decimal.Decimal(match.group(1)), match.group(2) or ""
     if suffix in _BINARY:
         value = number * (1 << (10 * _BINARY[suffix]))
     elif suffix in _DECIMAL:
         value = number.scaleb(3 * _DECIMAL[suffix])
     else:
-        value = number.scaleb(int(suffix[1:]))
-    if value < 0:
-        raise ValueError(f"a negative quantity: {text!r}")
+        exponent = int(suffix[1:])
+        if abs(exponent) > _MAX_EXPONENT:  # no byte count is near: and 10**huge is slow
+            raise ValueError(f"a quantity out of range: {text!r}")
+        value = number.scaleb(exponent)
+    if value < 0 or value > _MAX_BYTES:
+        raise ValueError(f"a quantity out of range: {text!r}")
     return int(value.to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+def _classes(claim: Mapping[str, Any], requests: frozenset[str]) -> frozenset[str]:
+    """The DeviceClasses the claim's `requests` ask for (a `firstAvailable` request's
+    subrequests each name one)."""
+    found: set[str] = set()
+    for request in (claim.get("spec") or {}).get("devices", {}).get("requests", []) or []:
+        name = request.get("name")
+        exactly = request.get("exactly") or {}
+        if name in requests and exactly.get("deviceClassName"):
+            found.add(exactly["deviceClassName"])
+        for sub in request.get("firstAvailable") or []:
+            if f"{name}/{sub.get('name')}" in requests and sub.get("deviceClassName"):
+                found.add(sub["deviceClassName"])
+    return frozenset(found)
 
 
 def plan_claim(
@@ -132,7 +155,8 @@ def plan_claim(
     if not devices:
         raise ClaimRefused("claim_not_ours", f"no device of {driver} is allocated to it")
     try:
-        through = passthrough_requests(allocation, frozenset(d.request for d in devices), driver)
+        ours = frozenset(d.request for d in devices)
+        through = passthrough_requests(allocation, ours, driver, _classes(claim, ours))
     except ConfigRefused as refused:
         raise ClaimRefused(refused.reason, str(refused)) from None
     devices = [dataclasses.replace(d, passthrough=d.request in through) for d in devices]

@@ -41,6 +41,15 @@ class PublishError(RuntimeError):
     """The API server did not take the node's slices (unreachable, or it refused)."""
 
 
+def _dropped_sharing(sent: dict[str, Any], stored: dict[str, Any]) -> list[str]:
+    kept = {d["name"] for d in stored.get("devices", []) if d.get("allowMultipleAllocations")}
+    return [
+        d["name"]
+        for d in sent.get("devices", [])
+        if d.get("allowMultipleAllocations") and d["name"] not in kept
+    ]
+
+
 class SlicePublisher:
     def __init__(
         self,
@@ -86,6 +95,7 @@ class SlicePublisher:
                 )
             }
             changed = 0
+            lost: list[str] = []
             for name, slice_ in wanted.items():
                 have = held.pop(name, None)
                 spec = slice_["spec"]
@@ -103,7 +113,7 @@ class SlicePublisher:
                         self._client.replace(ResourceSlice.from_dict(slice_))
                     )
                 self._written[name] = (spec, stored.metadata.resourceVersion)
-                self._check_kept(spec, stored.to_dict().get("spec", {}))
+                lost.extend(_dropped_sharing(spec, stored.to_dict().get("spec", {})))
                 changed += 1
             for name in held:
                 await self._bounded(self._client.delete(ResourceSlice, name))
@@ -111,6 +121,8 @@ class SlicePublisher:
                 changed += 1
             for name in set(self._written) - set(wanted):
                 del self._written[name]
+            if changed:  # what the API server made of what was written this round
+                self._say_sharing(lost)
         except trio.TooSlowError:
             raise PublishError(f"the API server did not answer in {REQUEST_SECONDS:g} s") from None
         except ApiError as exc:
@@ -120,15 +132,9 @@ class SlicePublisher:
         self._published = devices
         return changed
 
-    def _check_kept(self, sent: dict[str, Any], stored: dict[str, Any]) -> None:
+    def _say_sharing(self, lost: Sequence[str]) -> None:
         """Say so, once, where the API server dropped what sharing a GPU needs (below
         1.36, or with DRAConsumableCapacity off): it would give the device whole."""
-        kept = {d["name"] for d in stored.get("devices", []) if d.get("allowMultipleAllocations")}
-        lost = [
-            d["name"]
-            for d in sent.get("devices", [])
-            if d.get("allowMultipleAllocations") and d["name"] not in kept
-        ]
         if lost and not self.sharing_refused:
             log.error(
                 "the API server dropped allowMultipleAllocations of %s: sharing a GPU's "

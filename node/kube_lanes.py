@@ -140,7 +140,14 @@ def passthrough_of(
             continue
         lane = ledger.lane(grant.lane_id)
         found = () if lane is None else lane_device_nodes(inventory, lane, dev_root)
-        if lane is None or not found or lane.visible_uuid is None:
+        # A MIG instance is nothing to CUDA without its capability nodes.
+        caps = any(path.parent.name == "nvidia-caps" for path in found)
+        if (
+            lane is None
+            or not found
+            or lane.visible_uuid is None
+            or (lane.kind is LaneKind.MIG and not caps)
+        ):
             raise KubeLaneError(
                 "passthrough_unavailable", f"device {device.device}: its device nodes are not here"
             )

@@ -443,3 +443,11 @@ async def test_a_device_class_that_passes_a_gpu_through_gives_its_nodes_and_no_o
                 }  # its own GPU's node and the driver's, no other GPU's
                 assert f"CUDA_VISIBLE_DEVICES={WHOLE}" in device["containerEdits"]["env"]
                 check_pod_files(pod_env(root, whole_uid))  # and its token, as ever
+                # A MIG instance whose capability nodes are not here is no device to CUDA.
+                docs["mig"][0]["status"]["allocation"]["devices"]["config"] = passthrough_config(
+                    "FromClass"
+                )
+                ask = dra_pb2.NodePrepareResourcesRequest(claims=_claims("mig"))
+                (mig,) = (await kubelet(service, stub, "NodePrepareResources", ask)).claims.values()
+                assert mig.error.startswith("passthrough_unavailable")
+                assert len(standing(node)) == 1

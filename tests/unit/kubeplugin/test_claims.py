@@ -7,8 +7,17 @@ from typing import Any
 
 import pytest
 
-from kubeplugin.claims import AllocatedDevice, ClaimRefused, plan_claim, read_claim
+from kubeplugin.claim_config import ConfigRefused, passthrough_requests
+from kubeplugin.claims import (
+    AllocatedDevice,
+    ClaimRefused,
+    _classes,
+    _quantity,
+    plan_claim,
+    read_claim,
+)
 from kubeplugin.server import ClaimRef
+from kubeplugin.sockets import DRIVER_NAME
 from tests.kube_fixtures import client_for, fake_api_server
 
 REF = ClaimRef(namespace="team-a", uid="9d1c0e52-7a43-4f1b-bc7e-6a2e8f0d4c11", name="train-gpu")
@@ -185,3 +194,36 @@ def test_a_config_the_driver_cannot_take_refuses_the_claim(
     with pytest.raises(ClaimRefused) as refused:
         plan_claim(REF, _configured(entry), node="node-a")
     assert refused.value.reason == reason
+
+
+def test_a_class_config_that_names_no_request_is_taken_only_where_it_can_be_no_other() -> None:
+    # Schedulers before 1.35 name no request in a class's config.
+    config = [{"source": "FromClass", "opaque": _opaque({"passthrough": True})}]
+    alloc = {"devices": {"config": config}}
+    one = frozenset({"gpu.lanes.litegraph.dev"})
+    assert passthrough_requests(alloc, frozenset({"a", "b"}), DRIVER_NAME, one) == {"a", "b"}
+    two = one | {"vram.lanes.litegraph.dev"}
+    with pytest.raises(ConfigRefused) as refused:
+        passthrough_requests(alloc, frozenset({"a", "b"}), DRIVER_NAME, two)
+    assert refused.value.reason == "passthrough_ambiguous"
+    # A subrequest's result (`req/sub`) is its request's, as Kubernetes matches configs.
+    named = [{"source": "FromClass", "requests": ["gpu"], "opaque": _opaque({"passthrough": True})}]
+    found = passthrough_requests(
+        {"devices": {"config": named}}, frozenset({"gpu/big", "x"}), DRIVER_NAME
+    )
+    assert found == {"gpu/big"}
+
+
+def test_the_classes_a_claims_requests_ask_for_are_read_from_its_spec() -> None:
+    doc = claim_doc(allocation={"devices": {"results": [RESULT]}})
+    doc["spec"]["devices"]["requests"].append(
+        {"name": "pick", "firstAvailable": [{"name": "big", "deviceClassName": "gpu.x"}]}
+    )
+    assert _classes(doc, frozenset({"vram", "pick/big"})) == {"vram.lanes.litegraph.dev", "gpu.x"}
+    assert _classes(doc, frozenset({"vram"})) == {"vram.lanes.litegraph.dev"}
+
+
+@pytest.mark.parametrize("text", ["1e999999999", "1e-999999999", "1e1000000", "9" * 70, "1e30"])
+def test_a_quantity_past_any_byte_count_is_refused_at_once(text: str) -> None:
+    with pytest.raises(ValueError, match="quantity"):
+        _quantity(text)
