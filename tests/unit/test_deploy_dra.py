@@ -152,6 +152,7 @@ def test_the_passthrough_class_asks_for_what_the_driver_passes_through() -> None
     # The allocation carries a class's config as FromClass, for every request.
     config = [{"source": "FromClass", **entry} for entry in found["spec"]["config"]]
     allocation = {"devices": {"config": config}}
-    assert passthrough_requests(allocation, frozenset({"gpu"}), DRIVER_NAME) == {"gpu"}
+    asked = frozenset({found["metadata"]["name"]})  # the one class the claim asks for
+    assert passthrough_requests(allocation, frozenset({"gpu"}), DRIVER_NAME, asked) == {"gpu"}
     selector = found["spec"]["selectors"][0]["cel"]["expression"]
     assert '.type == "gpu"' in selector  # whole GPUs: a shared one is never passed through
