@@ -99,6 +99,12 @@ class _StateCollector(Collector):
             yield ended
         if self._metrics.sandbox_pool is not None:
             yield from _sandbox_pool(self._metrics.sandbox_pool())
+        if self._metrics.claims_held is not None:
+            yield GaugeMetricFamily(
+                "litegraph_claims_held",
+                "Kubernetes claims whose lanes the node holds now (standing holds)",
+                value=self._metrics.claims_held(),
+            )
 
 
 def _sandbox_pool(figures: SandboxPoolFigures) -> Iterator[Metric]:
@@ -208,6 +214,7 @@ class NodeMetrics:
         self.invocation_counts: Callable[[], dict[InvocationState, int]] | None = None
         self.ended_totals: Callable[[], dict[InvocationState, int]] | None = None
         self.sandbox_pool: Callable[[], SandboxPoolFigures] | None = None
+        self.claims_held: Callable[[], int] | None = None
         self.admission_refusals = Counter(
             "litegraph_admission_refusals",
             "Submissions refused at admission, by reason",

@@ -373,6 +373,7 @@ class Daemon:
         self.context.metrics.snapshot = snapshots.current
         self.context.metrics.invocation_counts = supervisor.counts
         self.context.metrics.ended_totals = supervisor.ended_totals
+        self.context.metrics.claims_held = lambda: len(supervisor.holds.holds)
         if supervisor.pool is not None:
             self.context.metrics.sandbox_pool = functools.partial(_pool_figures, supervisor.pool)
         self.readiness.check("drained", supervisor.drain_reason)

@@ -37,11 +37,13 @@ from supervisor.hold import HOLD_PREFIX, Hold, HoldGrant, hold_subject, subject_
 from supervisor.lane_session import CLOSE_SECONDS
 from supervisor.state import SupervisorState
 
-__all__ = ["HoldRefused", "StandingHolds"]
+__all__ = ["MAX_HOLDS", "HoldRefused", "StandingHolds"]
 
 log = logging.getLogger(__name__)
 
 _GPU_OPS = frozenset(LaneOp)
+# Claims held at once: as many as the node serves sockets for (api.hold_sockets).
+MAX_HOLDS = 1024
 
 
 class HoldRefused(Exception):
@@ -96,6 +98,8 @@ class StandingHolds:
             raise HoldRefused("invalid_request", "one grant per lane, at least one")
         async with self._lock:
             held = self.get(claim_uid)
+            if held is None and len(self.holds) >= MAX_HOLDS:
+                raise HoldRefused("too_many_claims", f"{MAX_HOLDS} claims are held already")
             if held is not None:
                 if held.grants() != tuple(grants):
                     raise HoldRefused("hold_changed", "the claim is held with other lanes")

@@ -244,6 +244,9 @@ async def test_three_lane_kinds_are_published_prepared_used_kept_and_unprepared(
                 }
                 held = standing(node)
                 assert len(held) == 3
+                async with httpx.AsyncClient(base_url=node.url) as scraper:
+                    scraped = (await scraper.get("/metrics")).text
+                assert "litegraph_claims_held 3.0" in scraped.splitlines()
                 assert [
                     r.vram_bytes for h in held.values() for r in h.lanes if not r.exclusive
                 ] == [1 << 30]

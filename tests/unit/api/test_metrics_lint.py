@@ -31,6 +31,7 @@ def full(metrics: NodeMetrics) -> NodeMetrics:
     metrics.invocation_counts = lambda: {InvocationState.running: 1}
     metrics.ended_totals = lambda: {InvocationState.succeeded: 2}
     metrics.sandbox_pool = lambda: SandboxPoolFigures(pooled=3, direct=1, fill_failures=0, ready=2)
+    metrics.claims_held = lambda: 1
     metrics.admission_refusals.labels("node_drained").inc()
     metrics.token_refusals.labels("expired").inc()
     metrics.lane_work_seconds.labels("execute").observe(0.02)

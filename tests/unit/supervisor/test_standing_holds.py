@@ -131,3 +131,17 @@ async def test_a_restart_keeps_the_hold_with_fresh_tokens(tmp_path: Path) -> Non
         )
         assert await rig.sup.holds.release(CLAIM)
         assert rig.sup.holds.unserved() is None
+
+
+async def test_holds_are_bounded_and_a_claim_past_the_bound_holds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("supervisor.standing_holds.MAX_HOLDS", 1)
+    async with open_rig(tmp_path) as rig:
+        holds = rig.sup.holds
+        await holds.hold(CLAIM, [HoldGrant(lane_id=MIG)])
+        with pytest.raises(HoldRefused) as full:
+            await holds.hold(OTHER, [HoldGrant(lane_id=GPU)])
+        assert full.value.reason == "too_many_claims"
+        assert not rig.machine.ledger.is_exclusive(GPU)
+        assert (await holds.hold(CLAIM, [HoldGrant(lane_id=MIG)]))[1] is False  # a repeat
