@@ -402,7 +402,13 @@ class Daemon:
             self.readiness.check_note("standing_holds", supervisor.holds.unserved)
         if config.kubelet_plugin:
             # Imported only here: the Kubernetes libraries are the `kubernetes` extra's.
-            from node.kube_driver import run_kube_driver
+            try:
+                from node.kube_driver import run_kube_driver
+            except ImportError as exc:
+                raise StartupError(
+                    f"--kubelet-plugin needs the kubernetes extra "
+                    f"(pip install 'litegraph-node[kubernetes]'): {exc}"
+                ) from exc
 
             self.kube_driver = await nursery.start(
                 run_kube_driver, config, supervisor, self._app, self.context.http, self.kube_client

@@ -35,8 +35,8 @@ from kubeplugin.contracts import (
 )
 from kubeplugin.sockets import DRIVER_NAME
 from machine.lanes import lane_id_for
-from node.daemon import Daemon
-from tests.api_fixtures import RunningDaemon, running_daemon
+from node.daemon import Daemon, StartupError
+from tests.api_fixtures import RunningDaemon, daemon_config, running_daemon
 from tests.confinement.test_guest_lane_matmul import MATMUL, M, N, _matrix
 from tests.kube_fixtures import (
     FakeApiServer,
@@ -454,3 +454,17 @@ async def test_a_device_class_that_passes_a_gpu_through_gives_its_nodes_and_no_o
                 (mig,) = (await kubelet(service, stub, "NodePrepareResources", ask)).claims.values()
                 assert mig.error.startswith("passthrough_unavailable")
                 assert len(standing(node)) == 1
+
+
+async def test_without_the_kubernetes_extra_the_plugin_stops_the_start_saying_so(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "node.kube_driver", None)  # its import fails
+    with kubelet_root() as root:
+        config = daemon_config(
+            tmp_path, "--kubelet-plugin", "--kube-node-name", NODE, "--kubelet-dir", str(root)
+        )
+        daemon = Daemon(config, handle_signals=False)
+        with pytest.raises(StartupError) as refused, trio.fail_after(30):
+            await daemon.run()
+    assert "litegraph-node[kubernetes]" in str(refused.value)

@@ -85,7 +85,7 @@ def test_the_image_is_built_in_stages_and_runs_the_packages_console_script() -> 
     assert program in PYPROJECT["project"]["scripts"]
     build_runs = " ".join(build.all("RUN"))
     assert f"python -m venv {venv} " in build_runs
-    assert f"{venv}/bin/pip install /src" in build_runs
+    assert f"{venv}/bin/pip install '/src[kubernetes]'" in build_runs
     # ...which the GPU stage completed, and the runtime stage took from it, whole.
     assert gpu.image == build.name
     assert ([f"--from={gpu.name}"], [str(venv), str(venv)]) in copies(runtime)
@@ -101,7 +101,7 @@ def test_the_gpu_stage_installs_the_cuda_extra_into_the_venv_the_runtime_takes()
     gpu = next(stage for stage in stages() if stage.name == "gpu")
     venv, _ = venv_of_entrypoint()
     runs = " ".join(gpu.all("RUN"))
-    assert f"{venv}/bin/pip install '/src[cuda]'" in runs
+    assert f"{venv}/bin/pip install '/src[cuda,kubernetes]'" in runs
     assert f"{venv}/bin/python -m compileall" in runs
     (runtime_copy,) = [paths for options, paths in copies(stages()[-1]) if options]
     assert runtime_copy == [str(venv), str(venv)]
@@ -188,3 +188,15 @@ def test_hadolint_finds_nothing() -> None:
         [tool, "--no-color", str(CONTAINERFILE)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_has_what_the_daemonsets_dra_driver_imports() -> None:
+    """The DaemonSet turns the DRA driver on; an image without the `kubernetes` extra
+    (grpcio, lightkube) would stop the daemon at its start."""
+    assert any(
+        e["name"] == "LITEGRAPH_NODE_KUBELET_PLUGIN" and e.get("value") == "true"
+        for e in daemonset_container()["env"]  # type: ignore[attr-defined]
+    )
+    for stage in stages()[:-1]:
+        installs = [run for run in stage.all("RUN") if "bin/pip install" in run]
+        assert installs and all("kubernetes" in run for run in installs), stage.name
