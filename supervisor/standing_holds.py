@@ -11,7 +11,7 @@ Its tokens, one per lane, have no deadline but live an hour at most (`--token-tt
 the node mints fresh ones at half life, and at every start for the holds the journal
 kept (no token outlives the daemon that minted it), and hands each set to
 `on_tokens` (the claim's token file). A hold's tokens work only from its own
-socket: `holder_of` says whose a token is, and the caller's binding must name it.
+socket (`supervisor.lane_routing`: the request's socket must be the hold's).
 
 Lane work of a hold runs in lane sessions as an invocation's does; its hosts are
 charged to the node's own cgroup (the pods' resources are their own cgroups', the
@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 import trio
 
 from capabilities import Isolation as TokenIsolation
-from capabilities import LaneOp
 from capabilities.errors import CapabilityError
 from machine.journal_errors import JournalError
 from machine.lanes import Isolation, LaneKind, Requirement
@@ -36,12 +35,12 @@ from machine.reservation import Reservation, ReservationRefused, ReservationRequ
 from supervisor.hold import HOLD_PREFIX, Hold, HoldGrant, hold_subject, subject_of
 from supervisor.lane_session import CLOSE_SECONDS
 from supervisor.state import SupervisorState
+from supervisor.submission import GPU_OPS
 
 __all__ = ["MAX_HOLDS", "HoldRefused", "StandingHolds"]
 
 log = logging.getLogger(__name__)
 
-_GPU_OPS = frozenset(LaneOp)
 # Claims held at once: as many as the node serves sockets for (api.hold_sockets).
 MAX_HOLDS = 1024
 
@@ -204,7 +203,7 @@ class StandingHolds:
             fresh[grant.lane_id] = tokens.mint(
                 invocation_id=hold.subject,
                 lane_id=grant.lane_id,
-                ops=_GPU_OPS,
+                ops=GPU_OPS,
                 vram_bytes=grant.vram_bytes,
                 isolation=TokenIsolation(reservation.isolation.value),
                 deadline=None,
