@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from api.app import create_app
-from api.auth import Authenticator, AuthError, AuthFile, load_or_create_auth
+from api.auth import Authenticator
 from api.context import NodeContext
 from api.device_history import DeviceHistory
 from api.metrics import NodeMetrics, SandboxPoolFigures
@@ -33,9 +33,8 @@ from api.settings import HttpSettings
 from api.snapshot_cache import SnapshotCache
 from api.telemetry import TelemetryPusher
 from api.unix_server import serve_unix
-from capabilities import CapabilityError, KeyRing, TokenService
-from capabilities.push_signature import PushSigner, read_bearer_file
-from capabilities.securefile import SecretFileError
+from capabilities import TokenService
+from capabilities.push_signature import PushSigner
 from machine import Machine
 from machine.capacity_notes import capacity_notes
 from machine.cgroups import CgroupsUnavailable, system_cgroups
@@ -49,6 +48,7 @@ from node.config import Config, DeviceMode
 from node.guests import GuestSetup, GuestSetupError, open_guest_setup
 from node.sdnotify import notify
 from node.signals import SignalWatcher, sole_error
+from node.startup import StartupError, open_secrets, telemetry_bearer
 from node.statedir import StateDirError, prepare_state_dir
 from node.statelock import lock_state_dir
 from supervisor.core import Supervisor
@@ -85,10 +85,6 @@ def _pool_figures(pool: SandboxPool) -> SandboxPoolFigures:
     return SandboxPoolFigures(counts.pooled, counts.direct, counts.fill_failures, pool.ready)
 
 
-class StartupError(Exception):
-    """The daemon cannot start (unsafe state folder or key/auth/journal file); exit 1."""
-
-
 def http_settings(config: Config) -> HttpSettings:
     return HttpSettings(
         listen=config.listen,
@@ -97,41 +93,6 @@ def http_settings(config: Config) -> HttpSettings:
         keep_alive=config.http_keep_alive,
         metrics_auth=config.metrics_auth,
     )
-
-
-def fresh_signing_key(state_dir: pathlib.Path) -> KeyRing:
-    """Open the key ring with a new signing key and every older key retired.
-
-    Invocations do not survive a restart, so no token minted before it may
-    verify after it: retiring the old keys refuses them all at once.
-    """
-    keyring = KeyRing.open(state_dir)
-    keyring.rotate()
-    for kid in keyring.kids():
-        if kid != keyring.active_kid:
-            keyring.retire(kid)
-    return keyring
-
-
-def open_secrets(
-    state_dir: pathlib.Path, auth_path: pathlib.Path
-) -> tuple[AuthFile, bool, KeyRing]:
-    """The operator secrets and the key ring; StartupError names an unsafe file."""
-    try:
-        auth, created = load_or_create_auth(auth_path)
-        return auth, created, fresh_signing_key(state_dir)
-    except (OSError, AuthError, CapabilityError, SecretFileError) as exc:
-        raise StartupError(str(exc)) from exc
-
-
-def telemetry_bearer(path: str) -> str | None:
-    """The telemetry bearer credential, if configured; StartupError for an unsafe file."""
-    if not path:
-        return None
-    try:
-        return read_bearer_file(pathlib.Path(path))
-    except (SecretFileError, ValueError) as exc:
-        raise StartupError(str(exc)) from exc
 
 
 LANE_HOST_CACHE = "lanehost-cache"  # in the state folder
