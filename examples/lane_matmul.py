@@ -3,7 +3,8 @@ lanes.litegraph.dev claim runs to multiply two matrices on its lane.
 
 It needs only the Python standard library and what the node gives it:
 LITEGRAPH_NODE_SOCKET (the node's Unix socket), LITEGRAPH_LANE_IDS (its lanes) and
-LITEGRAPH_CAPABILITY_TOKEN_FILE (one token per line, in the lanes' order). It reserves
+LITEGRAPH_CAPABILITY_TOKEN_FILE (one token per line, in the lanes' order; read again
+when the node refuses a token that the file no longer holds). It reserves
 three buffers on its first lane, uploads A (3x4) and B (4x5), runs the node's `matmul`
 kernel, downloads the product and prints one JSON line: the product's float32 bytes in
 base64, and the /dev/nvidia* nodes it can see (none: the lane host does the GPU work).
@@ -27,16 +28,28 @@ class Node(http.client.HTTPConnection):
 
 
 LANE = os.environ["LITEGRAPH_LANE_IDS"].split(",")[0]
-with open(os.environ["LITEGRAPH_CAPABILITY_TOKEN_FILE"]) as token_file:
-    TOKEN = token_file.read().split()[0]
+
+
+def token() -> str:
+    """The lane's token, read afresh: a claim's node writes a new one at half its life."""
+    with open(os.environ["LITEGRAPH_CAPABILITY_TOKEN_FILE"]) as token_file:
+        return token_file.read().split()[0]
+
+
+TOKEN = [token()]
 
 
 def call(method: str, path: str, body: bytes = b"", kind: str = "application/json") -> bytes:
-    node = Node("node", timeout=30)
-    headers = {"Authorization": "Bearer " + TOKEN, "Content-Type": kind}
-    node.request(method, f"/v1/lanes/{LANE}" + path, body, headers)
-    reply = node.getresponse()
-    data = reply.read()
+    for _ in range(2):
+        node = Node("node", timeout=30)
+        headers = {"Authorization": "Bearer " + TOKEN[0], "Content-Type": kind}
+        node.request(method, f"/v1/lanes/{LANE}" + path, body, headers)
+        reply = node.getresponse()
+        data = reply.read()
+        if reply.status == 401 and token() != TOKEN[0]:
+            TOKEN[0] = token()  # superseded by a fresh one: once more with it
+            continue
+        break
     if reply.status != 200:
         raise SystemExit(f"{method} {path}: {reply.status} {data.decode(errors='replace')}")
     return data

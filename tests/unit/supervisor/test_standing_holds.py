@@ -5,16 +5,18 @@ and back with fresh tokens after a restart."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import trio
 
-from capabilities import LaneOp, TokenRefusal, TokenRefused
+from capabilities import KeyRing, LaneOp, RefreshTooEarly, TokenRefusal, TokenRefused, TokenService
 from machine.lanes import lane_id_for
 from supervisor.hold import Hold, HoldGrant, hold_subject
 from supervisor.standing_holds import HoldRefused
-from tests.supervisor_fixtures import Rig, gpu_builtin, only_lane, open_rig
+from tests.fakes.clock import FakeClock
+from tests.supervisor_fixtures import NODE, Rig, gpu_builtin, only_lane, open_rig
 
 GPU = lane_id_for("GPU-5e1d0a3c-0000-4000-8000-5157a0000001")
 MIG = lane_id_for("MIG-5e1d0a3c-0000-4000-8000-5157a0020001")
@@ -145,3 +147,25 @@ async def test_holds_are_bounded_and_a_claim_past_the_bound_holds_nothing(
         assert full.value.reason == "too_many_claims"
         assert not rig.machine.ledger.is_exclusive(GPU)
         assert (await holds.hold(CLAIM, [HoldGrant(lane_id=MIG)]))[1] is False  # a repeat
+
+
+async def test_a_holds_holder_trades_its_token_as_a_guest_does_and_its_file_follows(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(time.time())
+    tokens = TokenService(NODE, KeyRing.open(tmp_path / "state"), ttl=600, clock=clock)
+    async with open_rig(tmp_path, tokens=tokens) as rig:
+        hold, _ = await rig.sup.holds.hold(CLAIM, [HoldGrant(lane_id=MIG)])
+        written: list[str] = []
+        rig.sup.holds.on_tokens = lambda found: written.append(found.tokens[MIG])
+        first = hold.tokens[MIG]
+        with pytest.raises(RefreshTooEarly):  # at most once per half of its life
+            rig.sup.refresh_token(MIG, first)
+        clock.now += 301
+        fresh = rig.sup.refresh_token(MIG, first)
+        assert hold.tokens[MIG] == fresh.token == written[-1] != first
+        assert fresh.claims.sub == hold_subject(CLAIM) and fresh.claims.aud == MIG
+        with pytest.raises(TokenRefused):  # traded in: the old one is no authority
+            rig.sup.validator.validate(first, lane_id=MIG, op=LaneOp.EXECUTE)
+        with pytest.raises(TokenRefused):  # nor can it be traded again
+            rig.sup.refresh_token(MIG, first)
