@@ -15,7 +15,6 @@ host. A rename follows no symlink; it replaces what was there.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import secrets
 import socket
@@ -26,12 +25,11 @@ from quart_trio import QuartTrio
 
 from api.settings import HttpSettings
 from api.unix_server import bind_unix_socket, serve_unix
+from supervisor.standing_holds import MAX_HOLDS
 
 __all__ = ["HoldSockets", "HoldSocketsFull"]
 
-log = logging.getLogger(__name__)
-
-MAX_SOCKETS = 1024
+MAX_SOCKETS = MAX_HOLDS  # one per claim the node may hold
 
 
 class HoldSocketsFull(RuntimeError):
@@ -54,9 +52,6 @@ class HoldSockets:
         self._nursery = nursery
         self._max = max_sockets
         self._served: dict[str, tuple[Path, trio.Event]] = {}
-
-    def __contains__(self, subject: object) -> bool:
-        return subject in self._served
 
     def open(self, subject: str, path: Path) -> None:
         """Serve the hold's socket at `path` (OSError when it cannot be bound)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -46,9 +47,14 @@ def _credentials(sock: trio.socket.SocketType, bound: str | None) -> PeerCredent
     return PeerCredentials(pid, uid, gid, bound)
 
 
+# What a hold's socket serves: a lane's work, its buffers and its token's refresh.
+_LANE_WORK = re.compile(r"/v1/lanes/[^/]+/(work|token|buffers/[^/]+)")
+
+
 class LaneWorkOnly:
-    """A hold's socket serves lane work alone (`/v1/lanes/<id>/...` but drain and
-    resume): the rest of the node's API is not its holder's to reach."""
+    """A hold's socket serves lane work alone (`_LANE_WORK`, an allow-list: a route
+    added later is not served there unless named): the rest of the node's API is not
+    its holder's to reach."""
 
     def __init__(self, app: ASGIApp) -> None:
         self._app = app
@@ -56,8 +62,7 @@ class LaneWorkOnly:
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
             return  # no websocket, nothing but HTTP requests
-        path = str(scope.get("path", ""))
-        if path.startswith("/v1/lanes/") and not path.endswith(("/drain", "/resume")):
+        if _LANE_WORK.fullmatch(str(scope.get("path", ""))):
             await self._app(scope, receive, send)
             return
         body = b'{"error":{"code":"not_found","message":"this socket serves lane work only"}}'

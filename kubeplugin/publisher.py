@@ -26,7 +26,7 @@ from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.resource_v1 import ResourceSlice
 
-from kubeplugin.slices import OfferedDevice, resource_slices
+from kubeplugin.slices import OfferedDevice, SliceError, resource_slices
 from kubeplugin.sockets import DRIVER_NAME
 
 __all__ = ["REQUEST_SECONDS", "PublishError", "SlicePublisher"]
@@ -129,6 +129,8 @@ class SlicePublisher:
             raise PublishError(f"the API server refused: {exc.status.message}") from exc
         except httpx2.TransportError as exc:  # refused, reset, cut
             raise PublishError(f"the API server is unreachable: {exc!r}") from exc
+        except SliceError as exc:  # a device the API server would refuse: none is sent
+            raise PublishError(f"the node's devices cannot be published: {exc}") from exc
         self._published = devices
         return changed
 

@@ -28,7 +28,8 @@ not N, so start-up stays within systemd's start timeout.
 Invocations are ephemeral, so every reservation from before the restart is
 released (and the release journaled) once its processes are gone; one whose
 group would not die is kept, with its pid reported and logged as an error,
-so its resources are not handed out twice.
+so its resources are not handed out twice. A standing reservation (a holder's
+outside the node: a Kubernetes claim's) is kept as it was (`standing`).
 """
 
 from __future__ import annotations

@@ -64,8 +64,6 @@ if TYPE_CHECKING:
     from lightkube import AsyncClient
     from quart_trio import QuartTrio
 
-    from node.kube_driver import KubeDriver
-
 __all__ = ["Daemon", "StartupError", "http_settings", "lane_host_env", "startup_error_in"]
 
 log = logging.getLogger(__name__)
@@ -151,8 +149,7 @@ class Daemon:
         # How guests are confined here (dev's banner says who they run as).
         self.guests: GuestSetup | None = None
         self.telemetry: TelemetryPusher | None = None
-        # The DRA driver's (`--kubelet-plugin`); tests name a client for their API server.
-        self.kube_driver: KubeDriver | None = None
+        # The DRA driver's API server client (`--kubelet-plugin`); tests name their own.
         self.kube_client: Callable[[], AsyncClient] | None = None
         self._handle_signals = handle_signals
         self._pynvml = pynvml_module
@@ -361,7 +358,7 @@ class Daemon:
             await nursery.start(self.telemetry.run)
         if not config.kubelet_plugin:
             self.readiness.check_note("standing_holds", supervisor.holds.unserved)
-        if config.kubelet_plugin:
+        else:
             # Imported only here: the Kubernetes libraries are the `kubernetes` extra's.
             try:
                 from node.kube_driver import run_kube_driver
@@ -371,7 +368,7 @@ class Daemon:
                     f"(pip install 'litegraph-node[kubernetes]'): {exc}"
                 ) from exc
 
-            self.kube_driver = await nursery.start(
+            await nursery.start(
                 run_kube_driver, config, supervisor, self._app, self.context.http, self.kube_client
             )
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import trio
 from lightkube import AsyncClient
+from lightkube.core.exceptions import ConfigError
 from quart_trio import QuartTrio
 
 from api.hold_sockets import HoldSockets, HoldSocketsFull
@@ -32,7 +33,7 @@ from kubeplugin.preparer import ClaimPreparer, Granted
 from kubeplugin.publisher import PublishError, SlicePublisher
 from kubeplugin.server import serve_plugin
 from kubeplugin.slices import OfferedDevice
-from kubeplugin.sockets import DRIVER_NAME, PluginSockets
+from kubeplugin.sockets import DRIVER_NAME, PluginSockets, SocketError
 from node.config import Config
 from node.kube_lanes import (
     KubeLaneError,
@@ -41,6 +42,7 @@ from node.kube_lanes import (
     offered_devices,
     passthrough_of,
 )
+from node.startup import StartupError
 from supervisor.core import Supervisor
 from supervisor.hold import Hold
 from supervisor.standing_holds import HoldRefused
@@ -172,11 +174,14 @@ async def run_kube_driver(
     """Serve the driver until cancelled; started once its sockets are served."""
     kubelet = Path(config.kubelet_dir)
     plugins = kubelet / "plugins"
-    sockets = PluginSockets.for_driver(
-        DRIVER_NAME, registry=kubelet / "plugins_registry", plugins=plugins
-    )
-    # In a pod: the service account's in-cluster credentials.
-    client = AsyncClient() if client_factory is None else client_factory()
+    try:
+        sockets = PluginSockets.for_driver(
+            DRIVER_NAME, registry=kubelet / "plugins_registry", plugins=plugins
+        )
+        # In a pod: the service account's in-cluster credentials.
+        client = AsyncClient() if client_factory is None else client_factory()
+    except (SocketError, ConfigError) as exc:
+        raise StartupError(f"--kubelet-plugin: {exc}") from exc
     try:
         async with trio.open_nursery() as nursery:
             claims_dir = plugins / DRIVER_NAME / "claims"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Literal
 
 from kubeplugin.cdi import Passthrough
 from kubeplugin.claims import AllocatedDevice
@@ -34,7 +35,6 @@ __all__ = [
     "hold_grant",
     "offered_devices",
     "passthrough_of",
-    "shares",
 ]
 
 _LANE_PREFIX = "lane_"
@@ -49,7 +49,7 @@ class KubeLaneError(ValueError):
         self.reason = reason
 
 
-def shares(lane: Lane, shared_gpus: Collection[str]) -> bool:
+def _shares(lane: Lane, shared_gpus: Collection[str]) -> bool:
     """Whether the lane's VRAM is offered in parts (a GPU the operator shares)."""
     if lane.kind is not LaneKind.GPU:
         return False
@@ -59,10 +59,10 @@ def shares(lane: Lane, shared_gpus: Collection[str]) -> bool:
 def _kind(lane: Lane, shared_gpus: Collection[str]) -> str:
     if lane.kind is LaneKind.MIG:
         return "mig"
-    return "vram" if shares(lane, shared_gpus) else "gpu"
+    return "vram" if _shares(lane, shared_gpus) else "gpu"
 
 
-def device_name(lane: Lane, shared_gpus: Collection[str]) -> str:
+def _device_name(lane: Lane, shared_gpus: Collection[str]) -> str:
     return f"{_kind(lane, shared_gpus)}-{lane.lane_id.removeprefix(_LANE_PREFIX)}"
 
 
@@ -96,7 +96,10 @@ def _attributes(
     return {name: value for name, value in found.items() if value is not None}
 
 
-def _health(ledger: Ledger, lane_id: str) -> str:
+Health = Literal["ok", "unhealthy", "lost"]
+
+
+def _health(ledger: Ledger, lane_id: str) -> Health:
     shown = ledger.lane_health_shown(lane_id)
     if shown is HealthState.LOST:
         return "lost"
@@ -114,11 +117,11 @@ def offered_devices(
         kind = _kind(lane, shared_gpus)
         offered.append(
             OfferedDevice(
-                name=device_name(lane, shared_gpus),
+                name=_device_name(lane, shared_gpus),
                 memory_bytes=lane.vram_bytes,
                 attributes=_attributes(lane, kind, gpus.get(lane.device_id), inventory),
                 shared=kind == "vram",
-                health=_health(ledger, lane.lane_id),  # type: ignore[arg-type]
+                health=_health(ledger, lane.lane_id),
             )
         )
     return offered
@@ -168,7 +171,7 @@ def device_health(ledger: Ledger, shared_gpus: Collection[str]) -> list[DeviceHe
             continue
         health = _health(ledger, lane.lane_id)
         why = "" if health == "ok" else ledger.lane_fault(lane.lane_id) or health
-        name = device_name(lane, shared_gpus)
+        name = _device_name(lane, shared_gpus)
         readings.append(DeviceHealthReading(name, healthy=health == "ok", message=why))
     return readings
 

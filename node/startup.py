@@ -14,7 +14,8 @@ __all__ = ["StartupError", "fresh_signing_key", "open_secrets", "telemetry_beare
 
 
 class StartupError(Exception):
-    """The daemon cannot start (unsafe state folder or key/auth/journal file); exit 1."""
+    """The daemon cannot start (an unsafe state folder or key, auth or journal file, a
+    flag it cannot serve here); exit 1."""
 
 
 def fresh_signing_key(state_dir: pathlib.Path) -> KeyRing:

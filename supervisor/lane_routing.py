@@ -67,7 +67,7 @@ class LaneRouting:
         raise TokenRefused(TokenRefusal.WRONG_HOLDER, f"presented {said}, not its guest's")
 
     def refresh_token(
-        self, lane_id: str, token: str, refresh_hold: Callable[[Hold], None]
+        self, lane_id: str, token: str, tokens_changed: Callable[[Hold], None]
     ) -> MintedToken:
         """A fresh token with the same scope for a live invocation; the old one is revoked.
 
@@ -75,12 +75,12 @@ class LaneRouting:
         trades its still-valid token for a new one, up to its own deadline, once
         the token has used half its life (RefreshTooEarly before that). The new
         token replaces the old one: refreshing adds no state. A standing hold's
-        new token is written where its holder reads it too (`refresh_hold`).
+        new token is written where its holder reads it too (`tokens_changed`).
         """
         claims = self._state.validator.validate(token, lane_id=lane_id, op=LaneOp.EXECUTE)
         hold = self._state.holds.get(claims.sub)
         if hold is not None:
-            return self._refresh_hold(hold, claims, lane_id, token, refresh_hold)
+            return self._refresh_hold(hold, claims, lane_id, token, tokens_changed)
         inv = self._state.live.get(claims.sub)
         if inv is None or inv.tokens.get(lane_id) != token:
             # Ended, or this token was already traded in for a newer one.
@@ -98,7 +98,7 @@ class LaneRouting:
         claims: Claims,
         lane_id: str,
         token: str,
-        written: Callable[[Hold], None],
+        tokens_changed: Callable[[Hold], None],
     ) -> MintedToken:
         if hold.tokens.get(lane_id) != token:
             raise LaneWorkError(409, "token_not_current", "not the claim's current token")
@@ -107,5 +107,5 @@ class LaneRouting:
         except (MintError, RevocationFull) as exc:
             raise LaneWorkError(503, "token_unavailable", str(exc)) from None
         hold.tokens[lane_id] = minted.token
-        written(hold)
+        tokens_changed(hold)
         return minted

@@ -7,7 +7,8 @@ what a hold has, a restart keeps it, and only `release` ends it. Its subject,
 `claim:<uid>`, is its tokens' `sub` and its reservations' prefix (`claim:<uid>/<n>`);
 no invocation id has a colon, so neither ever names the other.
 
-Its tokens, one per lane, have no deadline but live an hour at most (`--token-ttl`):
+Its tokens, one per lane, have no deadline but live `--token-ttl` (900 s by default,
+an hour at most):
 the node mints fresh ones at half life, and at every start for the holds the journal
 kept (no token outlives the daemon that minted it), and hands each set to
 `on_tokens` (the claim's token file). A hold's tokens work only from its own

@@ -468,3 +468,19 @@ async def test_without_the_kubernetes_extra_the_plugin_stops_the_start_saying_so
         with pytest.raises(StartupError) as refused, trio.fail_after(30):
             await daemon.run()
     assert "litegraph-node[kubernetes]" in str(refused.value)
+
+
+async def test_without_the_api_servers_credentials_the_plugin_stops_the_start_saying_so(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    with kubelet_root() as root:
+        config = daemon_config(
+            tmp_path, "--kubelet-plugin", "--kube-node-name", NODE, "--kubelet-dir", str(root)
+        )
+        daemon = Daemon(config, handle_signals=False)
+        with pytest.raises(StartupError) as refused, trio.fail_after(30):
+            await daemon.run()
+    assert str(refused.value).startswith("--kubelet-plugin: ")
+    assert "no-kubeconfig" in str(refused.value)

@@ -44,8 +44,10 @@ def _app(seen: list[Any]) -> QuartTrio:
         return "lane work"
 
     @app.get("/v1/snapshot")
-    async def snapshot() -> str:
-        return "the node's"
+    @app.get("/v1/lanes/<lane>/drain")
+    @app.get("/v1/lanes/<lane>/something-new")
+    async def elsewhere(lane: str = "") -> str:
+        return "the node's own"  # served on the node's sockets, never on a claim's
 
     return app
 
@@ -83,7 +85,8 @@ async def test_a_planted_symlink_is_replaced_and_its_target_never_touched(
         assert stat.S_IMODE(staging.stat().st_mode) == 0o700
         assert (await _get(folder / "node.sock", "/v1/lanes/l1/buffers/b1")).text == "lane work"
         assert seen[-1].bound == "claim:c1"
-        assert (await _get(folder / "node.sock", "/v1/snapshot")).status_code == 404
+        for elsewhere in ("/v1/snapshot", "/v1/lanes/l1/drain", "/v1/lanes/l1/something-new"):
+            assert (await _get(folder / "node.sock", elsewhere)).status_code == 404, elsewhere
         sockets.open("claim:c1", folder / "node.sock")  # a repeated Prepare: the same one
         sockets.close("claim:c1")
         assert not (folder / "node.sock").exists() and list(staging.iterdir()) == []

@@ -160,3 +160,16 @@ async def test_an_api_server_that_drops_sharing_is_said_once(
             assert await publisher.publish() == 1 and not publisher.sharing_refused
         finally:
             await client.close()
+
+
+async def test_devices_the_api_server_would_refuse_are_a_typed_error_and_nothing_is_sent() -> None:
+    too_small = [OfferedDevice("vram-0", GIB // 2, shared=True)]  # less than one 1 GiB step
+    async with fake_api_server() as api:
+        client = client_for(api.url)
+        try:
+            publisher = SlicePublisher(client, "node-a", lambda: too_small, now=lambda: WHEN)
+            with pytest.raises(PublishError, match="cannot be published"):
+                await publisher.publish()
+            assert api.slices == {} and [m for m, _ in api.requests] == ["GET"]
+        finally:
+            await client.close()
