@@ -456,10 +456,8 @@ async def test_a_device_class_that_passes_a_gpu_through_gives_its_nodes_and_no_o
                 assert len(standing(node)) == 1
 
 
-async def test_without_the_kubernetes_extra_the_plugin_stops_the_start_saying_so(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "node.kube_driver", None)  # its import fails
+async def refused_start(tmp_path: pathlib.Path) -> str:
+    """Why a daemon with the DRA driver on did not start (its StartupError)."""
     with kubelet_root() as root:
         config = daemon_config(
             tmp_path, "--kubelet-plugin", "--kube-node-name", NODE, "--kubelet-dir", str(root)
@@ -467,7 +465,14 @@ async def test_without_the_kubernetes_extra_the_plugin_stops_the_start_saying_so
         daemon = Daemon(config, handle_signals=False)
         with pytest.raises(StartupError) as refused, trio.fail_after(30):
             await daemon.run()
-    assert "litegraph-node[kubernetes]" in str(refused.value)
+    return str(refused.value)
+
+
+async def test_without_the_kubernetes_extra_the_plugin_stops_the_start_saying_so(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "node.kube_driver", None)  # its import fails
+    assert "litegraph-node[kubernetes]" in await refused_start(tmp_path)
 
 
 async def test_without_the_api_servers_credentials_the_plugin_stops_the_start_saying_so(
@@ -475,12 +480,5 @@ async def test_without_the_api_servers_credentials_the_plugin_stops_the_start_sa
 ) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
-    with kubelet_root() as root:
-        config = daemon_config(
-            tmp_path, "--kubelet-plugin", "--kube-node-name", NODE, "--kubelet-dir", str(root)
-        )
-        daemon = Daemon(config, handle_signals=False)
-        with pytest.raises(StartupError) as refused, trio.fail_after(30):
-            await daemon.run()
-    assert str(refused.value).startswith("--kubelet-plugin: ")
-    assert "no-kubeconfig" in str(refused.value)
+    said = await refused_start(tmp_path)
+    assert said.startswith("--kubelet-plugin: ") and "no-kubeconfig" in said
