@@ -37,8 +37,6 @@ from kubeplugin.contracts import (
     dra_health_pb2_grpc,
     dra_pb2,
     dra_pb2_grpc,
-    dra_v1beta1_pb2,
-    dra_v1beta1_pb2_grpc,
     registration_pb2,
     registration_pb2_grpc,
 )
@@ -47,6 +45,7 @@ from kubeplugin.sockets import DRIVER_NAME, PluginSockets
 
 __all__ = [
     "CALL_SECONDS",
+    "V1BETA1_SERVICE",
     "ClaimHandler",
     "ClaimRef",
     "ClaimResult",
@@ -65,6 +64,8 @@ _WORKERS = 4 + MAX_STREAMS
 # kubelet's plugin type for DRA drivers, and the node service version this plugin serves.
 _PLUGIN_TYPE = "DRAPlugin"
 _SUPPORTED = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# The node service's name as 1.32 and 1.33 kubelets call it (pkg/apis/dra/v1beta1).
+V1BETA1_SERVICE = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
 # How often the registration socket is looked for: one deleted (kubelet's folder
 # cleaned, say) is served again, and kubelet registers the plugin anew.
 REGISTRATION_CHECK_SECONDS = 5.0
@@ -226,22 +227,32 @@ class _NodeService(dra_pb2_grpc.DRAPluginServicer):
         return reply
 
 
-class _NodeServiceV1beta1(dra_v1beta1_pb2_grpc.DRAPluginServicer):
-    """The same service for a 1.32 or 1.33 kubelet: v1beta1's messages are v1's, wire
-    for wire, so each call is carried over to v1 and its answer back."""
+def _v1beta1(node: _NodeService) -> grpc.GenericRpcHandler:
+    """The same service for a 1.32 or 1.33 kubelet, at v1beta1's method paths: its
+    messages are v1's, wire for wire, so v1's are read and written there."""
 
-    def __init__(self, node: _NodeService) -> None:
-        self._node = node
+    def method(call: Callable[[Any, Any], Any], asked: Any, answer: Any) -> Any:
+        return grpc.unary_unary_rpc_method_handler(
+            call,
+            request_deserializer=asked.FromString,
+            response_serializer=answer.SerializeToString,
+        )
 
-    def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        asked = dra_pb2.NodePrepareResourcesRequest.FromString(request.SerializeToString())
-        answer = self._node.NodePrepareResources(asked, context)
-        return dra_v1beta1_pb2.NodePrepareResourcesResponse.FromString(answer.SerializeToString())
-
-    def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        asked = dra_pb2.NodeUnprepareResourcesRequest.FromString(request.SerializeToString())
-        answer = self._node.NodeUnprepareResources(asked, context)
-        return dra_v1beta1_pb2.NodeUnprepareResourcesResponse.FromString(answer.SerializeToString())
+    return grpc.method_handlers_generic_handler(
+        V1BETA1_SERVICE,
+        {
+            "NodePrepareResources": method(
+                node.NodePrepareResources,
+                dra_pb2.NodePrepareResourcesRequest,
+                dra_pb2.NodePrepareResourcesResponse,
+            ),
+            "NodeUnprepareResources": method(
+                node.NodeUnprepareResources,
+                dra_pb2.NodeUnprepareResourcesRequest,
+                dra_pb2.NodeUnprepareResourcesResponse,
+            ),
+        },
+    )
 
 
 def _remove_own_socket(path: Path) -> None:
@@ -259,9 +270,7 @@ def _add_node_service(
     node: _NodeService, health: HealthService | None, server: grpc.Server
 ) -> None:
     dra_pb2_grpc.add_DRAPluginServicer_to_server(node, server)  # type: ignore[no-untyped-call]
-    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(  # type: ignore[no-untyped-call]
-        _NodeServiceV1beta1(node), server
-    )
+    server.add_generic_rpc_handlers((_v1beta1(node),))
     if health is not None:
         dra_health_pb2_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
             health, server

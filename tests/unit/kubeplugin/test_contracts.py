@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import sys
 
-from kubeplugin.contracts import dra_health_pb2, dra_pb2, dra_v1beta1_pb2, registration_pb2
+from kubeplugin.contracts import dra_health_pb2, dra_pb2, registration_pb2
 from kubeplugin.health import HEALTH_SERVICE
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -59,12 +59,3 @@ def test_the_health_streams_path_and_fields_are_the_kubelets() -> None:
         "health_check_timeout_seconds": 4, "message": 5,
     }  # fmt: skip
     assert dra_health_pb2.HealthStatus.Name(2) == "UNHEALTHY"
-
-
-def test_the_v1beta1_service_is_v1s_messages_under_its_own_path() -> None:
-    node = dra_v1beta1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"]
-    assert node.full_name == "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
-    for message in ("Device", "Claim", "NodePrepareResourceResponse"):
-        v1 = getattr(dra_pb2, message).DESCRIPTOR.fields_by_name
-        beta = getattr(dra_v1beta1_pb2, message).DESCRIPTOR.fields_by_name
-        assert {n: f.number for n, f in beta.items()} == {n: f.number for n, f in v1.items()}

@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import grpc
 import pytest
 import trio
 
@@ -15,13 +16,11 @@ from kubeplugin.contracts import (
     dra_health_pb2,
     dra_pb2,
     dra_pb2_grpc,
-    dra_v1beta1_pb2,
-    dra_v1beta1_pb2_grpc,
     registration_pb2,
     registration_pb2_grpc,
 )
 from kubeplugin.health import HEALTH_SERVICE, DeviceHealthReading
-from kubeplugin.server import ClaimRef, ClaimResult, PreparedDevice
+from kubeplugin.server import V1BETA1_SERVICE, ClaimRef, ClaimResult, PreparedDevice
 from kubeplugin.sockets import DRIVER_NAME, PluginSockets, SocketError
 from tests.kube_fixtures import health_stream, kubelet, plugin
 
@@ -52,6 +51,22 @@ class Handler:
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
         return {c.uid: "" for c in claims}
+
+
+class V1beta1Stub:
+    """A 1.32 or 1.33 kubelet's client: the same messages, at v1beta1's method paths."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        for name, answer in (
+            ("NodePrepareResources", dra_pb2.NodePrepareResourcesResponse),
+            ("NodeUnprepareResources", dra_pb2.NodeUnprepareResourcesResponse),
+        ):
+            call = channel.unary_unary(
+                f"/{V1BETA1_SERVICE}/{name}",
+                request_serializer=lambda message: message.SerializeToString(),
+                response_deserializer=answer.FromString,
+            )
+            setattr(self, name, call)
 
 
 def _claims(*uids: str) -> list[Any]:
@@ -87,21 +102,13 @@ async def test_kubelet_registers_the_plugin_then_prepares_each_claim_on_its_own(
         undo = dra_pb2.NodeUnprepareResourcesRequest(claims=_claims("uid-ok", "uid-never"))
         undone = await kubelet(sockets.service, node, "NodeUnprepareResources", undo)
         assert {uid: e.error for uid, e in undone.claims.items()} == {"uid-ok": "", "uid-never": ""}
-        # A 1.33 kubelet calls the v1beta1 service, on the same socket, for the same answers.
-        old = dra_v1beta1_pb2_grpc.DRAPluginStub
-        asked = dra_v1beta1_pb2.NodePrepareResourcesRequest.FromString(
-            dra_pb2.NodePrepareResourcesRequest(
-                claims=_claims("uid-ok", "uid-bad")
-            ).SerializeToString()
+        # A 1.33 kubelet calls the service at v1beta1's paths, on the same socket.
+        beta = await kubelet(sockets.service, V1beta1Stub, "NodePrepareResources", request)
+        assert beta == reply
+        undo_beta = dra_pb2.NodeUnprepareResourcesRequest(claims=_claims("uid-ok"))
+        undone_beta = await kubelet(
+            sockets.service, V1beta1Stub, "NodeUnprepareResources", undo_beta
         )
-        beta = await kubelet(sockets.service, old, "NodePrepareResources", asked)
-        assert beta.SerializeToString(deterministic=True) == dra_pb2.NodePrepareResourcesResponse(
-            claims={"uid-ok": reply.claims["uid-ok"], "uid-bad": reply.claims["uid-bad"]}
-        ).SerializeToString(deterministic=True)
-        undo_beta = dra_v1beta1_pb2.NodeUnprepareResourcesRequest(
-            claims=[dra_v1beta1_pb2.Claim(namespace="ns", uid="uid-ok", name="claim-uid-ok")]
-        )
-        undone_beta = await kubelet(sockets.service, old, "NodeUnprepareResources", undo_beta)
         assert undone_beta.claims["uid-ok"].error == ""
 
 
