@@ -93,3 +93,17 @@ async def test_a_planted_symlink_is_replaced_and_its_target_never_touched(
         with pytest.raises(httpx.ConnectError):
             await _get(folder / "node.sock", "/v1/lanes/l1/buffers/b1")
         nursery.cancel_scope.cancel()
+
+
+async def test_a_socket_that_cannot_take_its_place_is_refused_and_leaves_nothing(
+    short_dir: pathlib.Path,
+) -> None:
+    folder, staging = short_dir / "claims" / "c1", short_dir / ".sockets"
+    (folder / "node.sock").mkdir(parents=True)  # a pod made a folder of its name
+    async with trio.open_nursery() as nursery:
+        sockets = HoldSockets(_app([]), HTTP, nursery, staging)
+        with pytest.raises(OSError):
+            sockets.open("claim:c1", folder / "node.sock")
+        assert list(staging.iterdir()) == [] and (folder / "node.sock").is_dir()
+        sockets.close("claim:c1")  # nothing was served: nothing to close
+        nursery.cancel_scope.cancel()

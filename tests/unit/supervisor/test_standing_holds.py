@@ -169,3 +169,27 @@ async def test_a_holds_holder_trades_its_token_as_a_guest_does_and_its_file_foll
             rig.sup.validator.validate(first, lane_id=MIG, op=LaneOp.EXECUTE)
         with pytest.raises(TokenRefused):  # nor can it be traded again
             rig.sup.refresh_token(MIG, first)
+
+
+async def test_a_release_the_journal_refuses_keeps_the_hold_working_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_rig(tmp_path) as rig:
+        holds = rig.sup.holds
+        hold, _ = await holds.hold(CLAIM, [HoldGrant(lane_id=GPU), HoldGrant(lane_id=MIG)])
+        commit = rig.machine.group_commit.commit
+
+        async def refused(*_records: object, **_kw: object) -> None:
+            raise OSError(5, "injected")
+
+        monkeypatch.setattr(rig.machine.group_commit, "commit", refused)
+        with pytest.raises(HoldRefused) as journal:
+            await holds.release(CLAIM)
+        assert journal.value.reason == "journal_unavailable"
+        # Still held whole, and its pods go on: fresh tokens for both lanes.
+        assert holds.get(CLAIM) is hold and len(hold.reservations) == 2
+        assert sorted(standing(rig)) == [f"claim:{CLAIM}/0", f"claim:{CLAIM}/1"]
+        for lane in (GPU, MIG):
+            rig.sup.validator.validate(hold.tokens[lane], lane_id=lane, op=LaneOp.EXECUTE)
+        monkeypatch.setattr(rig.machine.group_commit, "commit", commit)
+        assert await holds.release(CLAIM) and standing(rig) == {}
