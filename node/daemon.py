@@ -72,6 +72,9 @@ SHUTDOWN_MARGIN = 15.0
 # Once running work has ended: how long the HTTP server gets to close (Hypercorn
 # gives busy connections its graceful timeout, 3 s).
 SERVERS_CLOSE_SECONDS = 5.0
+# After shutdown ended running work: how long the servers still answer, so a `run`
+# that was between two requests when it ended still learns how it ended.
+FOLLOWERS_SECONDS = 1.0
 EVENT_SUBSCRIBERS = 32
 EVENT_BUFFER = 256
 # Live (invocation, lane) tokens; admission holds far fewer (max-queued + max-running).
@@ -236,14 +239,18 @@ class Daemon:
                     else grace
                 )
                 components.cancel_scope.deadline = (
-                    trio.current_time() + waits + SERVERS_CLOSE_SECONDS + SHUTDOWN_MARGIN
+                    trio.current_time()
+                    + waits
+                    + FOLLOWERS_SECONDS
+                    + SERVERS_CLOSE_SECONDS
+                    + SHUTDOWN_MARGIN
                 )
                 if self.context.events is not None:
                     # Event streams end cleanly now, inside the server's grace period.
                     self.context.events.close()
-                if self.supervisor is not None:
-                    await self.supervisor.shutdown(self.config.shutdown_grace)
-                # Only now do the servers close: a `run` waiting on an invocation was
+                if self.supervisor is not None and await self.supervisor.shutdown(grace):
+                    await trio.sleep(FOLLOWERS_SECONDS)
+                # Only now do the servers close: a `run` following an invocation was
                 # answered how it ended (`cancelled`, `shutdown`), its logs are complete.
                 self.served.set()
                 with trio.move_on_after(SERVERS_CLOSE_SECONDS):

@@ -184,11 +184,12 @@ class Supervisor:
         endings (each guest's kill grace) and cleanup."""
         return grace + self._state.cleanup_deadline + self._state.kill_grace
 
-    async def shutdown(self, grace: float) -> None:
+    async def shutdown(self, grace: float) -> int:
         """Stop admitting; give running work `grace` seconds, then cancel the rest and
-        wait (bounded) until everything is released."""
+        wait (bounded) until everything is released. Says how many were still live."""
         state = self._state
         state.accepting = False
+        live = len(state.live)
         with trio.move_on_after(grace):
             for inv in list(state.live.values()):
                 await inv.finished.wait()
@@ -197,6 +198,7 @@ class Supervisor:
         with trio.move_on_after(self.shutdown_seconds(0)):
             for inv in list(state.live.values()):
                 await inv.finished.wait()
+        return live
 
     def background(self, task: Callable[[], Awaitable[None]]) -> None:
         """Run `task` in the supervisor's nursery (bookkeeping beside an invocation)."""

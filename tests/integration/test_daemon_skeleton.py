@@ -13,7 +13,14 @@ import trio
 
 from api.errors import ErrorEnvelope
 from node.daemon import Daemon, StartupError
-from tests.api_fixtures import daemon_config
+from supervisor.wire import InvocationState, InvocationStatus
+from tests.api_fixtures import (
+    bearer,
+    builtin_request,
+    daemon_config,
+    running_daemon,
+    wait_for_state,
+)
 
 
 async def test_probes_and_envelope_then_stop(tmp_path: pathlib.Path) -> None:
@@ -32,6 +39,33 @@ async def test_probes_and_envelope_then_stop(tmp_path: pathlib.Path) -> None:
         daemon.stop.set()
     # The nursery closed: the server and every component stopped.
     assert daemon.stop.is_set()
+
+
+async def test_work_a_stop_cancelled_is_still_answered_for_just_after_it_ended(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A `run` that was between two requests when its invocation ended asks again on a
+    new connection; the node, stopping, still says how it ended."""
+    async with running_daemon(tmp_path, devices="none") as node:
+        headers = bearer(node.admin)
+        async with httpx.AsyncClient(base_url=node.url, timeout=5, headers=headers) as client:
+            body = builtin_request("held", args={"seconds": 60})
+            assert (await client.post("/v1/invocations", json=body)).is_success
+            await wait_for_state(client, node.admin, "held", frozenset({InvocationState.running}))
+        supervisor = node.daemon.supervisor
+        assert supervisor is not None
+        ended = supervisor.until_ended("held")
+        assert ended is not None
+        node.daemon.stop.set()
+        await ended.wait()
+        async with httpx.AsyncClient(base_url=node.url, timeout=5, headers=headers) as late:
+            reply = await late.get("/v1/invocations/held")
+            refused = await late.post("/v1/invocations", json=builtin_request("late"))
+    assert reply.status_code == 200, reply.text
+    status = msgspec.json.decode(reply.content, type=InvocationStatus)
+    assert (status.state, status.reason) == (InvocationState.cancelled, "shutdown")
+    # Answering is all it still does: nothing new is taken.
+    assert refused.status_code == 503, refused.text
 
 
 def _unsafe_state_dir(tmp_path: pathlib.Path, case: str) -> tuple[pathlib.Path, str]:
