@@ -74,7 +74,7 @@ SHUTDOWN_MARGIN = 15.0
 SERVERS_CLOSE_SECONDS = 5.0
 # After shutdown ended running work: how long the servers still answer, so a `run`
 # that was between two requests when it ended still learns how it ended.
-FOLLOWERS_SECONDS = 1.0
+FOLLOWERS_SECONDS = 0.25
 EVENT_SUBSCRIBERS = 32
 EVENT_BUFFER = 256
 # Live (invocation, lane) tokens; admission holds far fewer (max-queued + max-running).
